@@ -1,0 +1,27 @@
+"""spmd: the Distribution API of TF DTensor on PyTorch.
+
+A `Mesh` of devices with named dimensions, a `Layout` per tensor saying how each axis is sharded over it, and
+DTensors that behave as one global `torch.Tensor` while each device holds only its component.
+"""
+
+from spmd import random
+from spmd.api import copy_to_mesh, relayout, relayout_like, to_global
+from spmd.creation import call_with_layout, empty, fill, full, ones, ones_like, zeros, zeros_like
+from spmd.dispatch import cache_stats
+from spmd.dtensor import DTensor, check_layout, fetch_layout, is_dtensor, pack, unpack
+from spmd.errors import (IndivisibleError, LayoutError, MeshMismatchError, MixedTensorError,
+                         UnsupportedOpError)
+from spmd.layout import MATCH, UNSHARDED, Layout
+from spmd.mesh import Mesh, MeshDimension, create_mesh
+from spmd.scope import default_mesh, get_default_mesh
+from spmd.variable import DVariable
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Mesh", "MeshDimension", "Layout", "UNSHARDED", "MATCH", "create_mesh", "DTensor", "DVariable",
+    "pack", "unpack", "fetch_layout", "check_layout", "is_dtensor", "relayout", "relayout_like", "copy_to_mesh",
+    "to_global", "call_with_layout", "default_mesh", "get_default_mesh", "zeros", "ones", "empty", "fill", "full",
+    "zeros_like", "ones_like", "random", "cache_stats", "LayoutError", "IndivisibleError", "MeshMismatchError",
+    "MixedTensorError", "UnsupportedOpError",
+]

@@ -1,0 +1,164 @@
+"""The seeds' functions that move data: relayout, relayout_like, copy_to_mesh (all differentiable), and the
+autograd functions behind pack/unpack."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from spmd import redistribute
+from spmd.dtensor import DTensor, make
+from spmd.errors import LayoutError
+from spmd.layout import MATCH, UNSHARDED, Layout
+
+
+class Pack(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, layout: Layout, *components):
+        ctx.layout = layout
+        device = layout.mesh.torch_device
+        local = torch.stack([c.detach().to(device) for c in components])
+        layout.check_divisible(layout.global_shape_from_local_shape(local.shape[1:]))
+        return make(local, layout)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = relayout(grad, ctx.layout)
+        return (None, *grad._local.unbind(0))
+
+
+class Unpack(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor: DTensor):
+        ctx.layout = tensor._layout
+        return tuple(tensor._local.unbind(0))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ref = next(g for g in grads if g is not None)
+        local = torch.stack([torch.zeros_like(ref) if g is None else g for g in grads])
+        return make(local, ctx.layout)
+
+
+class _Relayout(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor: DTensor, layout: Layout):
+        ctx.source = tensor._layout
+        steps = redistribute.plan(tensor._layout.axes, layout.axes)
+        return make(redistribute.run(tensor._local, layout.mesh, steps), layout)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _Relayout.apply(grad, ctx.source), None
+
+
+class _CopyToMesh(torch.autograd.Function):
+    """A plain tensor -> a DTensor: each device keeps its shard of the (replicated) value."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, layout: Layout):
+        mesh = layout.mesh
+        value = tensor.detach().to(mesh.torch_device)
+        replicated = value.unsqueeze(0).expand((mesh.num_local_devices(),) + tuple(value.shape))
+        local = redistribute.run(replicated, mesh, redistribute.plan((None,) * layout.rank, layout.axes))
+        if local.untyped_storage().data_ptr() == value.untyped_storage().data_ptr() or local.stride(0) == 0:
+            local = local.contiguous() if local.stride(0) == 0 else local.clone()
+        ctx.device = tensor.device
+        return make(local, layout)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return to_global(grad).to(ctx.device), None
+
+
+def to_global(tensor: DTensor) -> torch.Tensor:
+    """The global value of a DTensor as a plain tensor on the mesh's device (gathers every shard)."""
+    replicated = Layout.replicated(tensor._layout.mesh, tensor.dim())
+    return relayout(tensor, replicated)._local[0] if tensor._layout != replicated else tensor._local[0]
+
+
+def _resolve(tensor: DTensor, layout: Layout) -> Layout:
+    if not isinstance(layout, Layout):
+        raise TypeError(f"expected a Layout, got {type(layout).__name__}")
+    if layout.rank != tensor.dim():
+        raise LayoutError(f"cannot give a tensor of shape {list(tensor.shape)} (rank {tensor.dim()}) the layout "
+                          f"{layout.sharding_specs} of rank {layout.rank}")
+    specs = layout.sharding_specs
+    if MATCH in specs:
+        src = tensor._layout.sharding_specs
+        layout = Layout([src[i] if s == MATCH else s for i, s in enumerate(specs)], layout.mesh)
+    layout.check_divisible(tuple(tensor.shape))
+    return layout
+
+
+def relayout(tensor: DTensor, layout: Layout, name: str | None = None) -> DTensor:
+    """Changes the layout of `tensor` to `layout` (an axis given as `MATCH` keeps its sharding). Differentiable.
+
+    Within a mesh this runs the shortest list of collectives the planner finds (all-gather, all-to-all, a local
+    slice). Onto another mesh the value is moved as a copy.
+
+    Raises:
+      TypeError: `tensor` is not a DTensor (use `copy_to_mesh`).
+      ValueError: a rank mismatch, or an axis that does not divide by its new number of shards.
+
+    >>> mesh = create_mesh([("x", 2), ("y", 2)])
+    >>> t = copy_to_mesh(torch.arange(16.).reshape(4, 4), Layout.replicated(mesh, 2))
+    >>> s = relayout(t, Layout(["x", "y"], mesh))
+    >>> [c.tolist() for c in unpack(s)][1]
+    [[2.0, 3.0], [6.0, 7.0]]
+    >>> fetch_layout(relayout(s, Layout([MATCH, UNSHARDED], mesh))).sharding_specs
+    ['x', 'unsharded']
+    """
+    if not isinstance(tensor, DTensor):
+        raise TypeError(f"relayout expects a DTensor, got {type(tensor).__name__}; to distribute a plain tensor "
+                        "use spmd.copy_to_mesh(tensor, layout)")
+    layout = _resolve(tensor, layout)
+    if layout.mesh != tensor._layout.mesh:
+        return _CopyToMesh.apply(to_global(tensor), layout)
+    if layout == tensor._layout:
+        return tensor
+    return _Relayout.apply(tensor, layout)
+
+
+def relayout_like(tensor: DTensor, layout_tensor: DTensor, use_mesh_only: bool = False) -> DTensor:
+    """Gives `tensor` the layout of `layout_tensor` (or, with `use_mesh_only`, only moves it to its mesh,
+    keeping the sharding specs). Differentiable."""
+    target = fetch_layout_of(layout_tensor)
+    if use_mesh_only:
+        target = Layout(fetch_layout_of(tensor).sharding_specs, target.mesh)
+    return relayout(tensor, target)
+
+
+def fetch_layout_of(t) -> Layout:
+    if not isinstance(t, DTensor):
+        raise TypeError(f"expected a DTensor, got {type(t).__name__}")
+    return t._layout
+
+
+def copy_to_mesh(tensor: Any, layout: Layout, source_layout: Layout | None = None) -> DTensor:
+    """Copies a plain tensor (or array-like, or Python scalar) or a DTensor of another mesh onto `layout`.
+
+    Each device receives only its shard. Differentiable: a plain tensor gets the gradient of its global value.
+    `source_layout` is accepted for TF compatibility and ignored.
+
+    >>> mesh = create_mesh([("x", 6)])
+    >>> t = copy_to_mesh([0, 1], Layout([UNSHARDED], mesh))
+    >>> print(t)  # doctest: +ELLIPSIS
+    DTensor([0 1], layout="sharding_specs:unsharded, mesh:|x=6|...", shape=(2,), dtype=torch.int64)
+    """
+    if not isinstance(layout, Layout):
+        raise TypeError(f"copy_to_mesh expects a Layout, got {type(layout).__name__}")
+    if isinstance(tensor, DTensor):
+        return relayout(tensor, layout)
+    if not isinstance(tensor, torch.Tensor):
+        tensor = torch.as_tensor(np.asarray(tensor))
+    if tensor.dim() != layout.rank:
+        raise LayoutError(f"cannot give a tensor of shape {list(tensor.shape)} (rank {tensor.dim()}) the layout "
+                          f"{layout.sharding_specs} of rank {layout.rank}")
+    layout.check_divisible(tuple(tensor.shape))
+    return _CopyToMesh.apply(tensor, layout)
+
+
+__all__ = ["relayout", "relayout_like", "copy_to_mesh", "to_global", "UNSHARDED"]

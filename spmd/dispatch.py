@@ -1,0 +1,173 @@
+"""Eager SPMD expansion: `__torch_dispatch__` -> cached rule -> relayout inputs -> local kernel -> wrap.
+
+The cache key is (op, and per argument: the layout and global shape of a DTensor, the value of an int, bool,
+str or dtype, the type of a float). A cache hit costs a key build, a dict lookup, the kernel and the wraps.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from spmd import redistribute
+from spmd.dtensor import DTensor
+from spmd.errors import MeshMismatchError, MixedTensorError, UnsupportedOpError
+from spmd.rules import lookup
+from spmd.rules.common import OpCall, TensorSpec
+
+_CACHE: dict = {}
+_STATS = {"hits": 0, "misses": 0}
+
+
+class _Plan:
+    __slots__ = ("decision", "in_steps", "out_layouts", "out_steps", "mesh")
+
+    def __init__(self, decision, in_steps, out_layouts, out_steps, mesh):
+        self.decision = decision
+        self.in_steps = in_steps  # [(input index, steps)] for the inputs that must be relayouted
+        self.out_layouts = out_layouts
+        self.out_steps = out_steps  # per output: the steps resolving its pending reduction
+        self.mesh = mesh
+
+
+def cache_stats() -> dict:
+    """Hits and misses of the sharding-decision cache (for benchmarks and tests)."""
+    return dict(_STATS, size=len(_CACHE))
+
+
+def _sig(a, tensors):
+    t = type(a)
+    if t is float:
+        return float
+    if t is int or t is bool or a is None or t is str:
+        return a
+    if isinstance(a, DTensor):
+        tensors.append(a)
+        return a._layout, a.shape, a.dtype
+    if t is list or t is tuple:
+        return tuple(_sig(x, tensors) for x in a)
+    if isinstance(a, torch.Tensor):
+        if a.dim() == 0:  # autobroadcast: a 0-d tensor acts as a replicated scalar
+            return "scalar", a.dtype
+        raise MixedTensorError(
+            f"a plain torch.Tensor of shape {list(a.shape)} was mixed with DTensors; only Python scalars and 0-d "
+            "tensors are broadcast automatically. Distribute it first: spmd.copy_to_mesh(tensor, layout)")
+    return a
+
+
+def dispatch(func, args, kwargs):
+    tensors: list[DTensor] = []
+    key = (func, tuple([_sig(a, tensors) for a in args]),
+           tuple([(k, _sig(v, tensors)) for k, v in kwargs.items()]) if kwargs else ())
+    plan = _CACHE.get(key)
+    if plan is None:
+        _STATS["misses"] += 1
+        plan = _CACHE[key] = _make_plan(func, args, kwargs, tensors)
+    else:
+        _STATS["hits"] += 1
+    return _execute(plan, args, kwargs, tensors)
+
+
+def _execute(plan: _Plan, args, kwargs, tensors):
+    decision, mesh = plan.decision, plan.mesh
+    locals_ = [t._local for t in tensors]
+    for i, steps in plan.in_steps:
+        locals_[i] = redistribute.run(locals_[i], mesh, steps)
+    out = decision.kernel(locals_, args, kwargs)
+    if decision.inplace:
+        return tensors[0]
+    if decision.single:
+        out = (out,)
+    if plan.out_steps:
+        out = [redistribute.run(o, mesh, s) if s else o for o, s in zip(out, plan.out_steps)]
+    if decision.epilogue is not None:
+        out = decision.epilogue(out, locals_, args, kwargs)
+    shapes = decision.out_shapes
+    if shapes is None:
+        shapes = decision.out_shapes = [None if l is None else l.global_shape_from_local_shape(o.shape[1:])
+                                        for o, l in zip(out, plan.out_layouts)]
+    wrapped = [DTensor(o, l, s) if l is not None else o for o, l, s in zip(out, plan.out_layouts, shapes)]
+    return wrapped[0] if decision.single else tuple(wrapped)
+
+
+def _make_plan(func, args, kwargs, tensors) -> _Plan:
+    mesh = tensors[0]._layout.mesh
+    for t in tensors[1:]:
+        if t._layout.mesh != mesh:
+            raise MeshMismatchError(
+                f"{func} got DTensors on different meshes: {mesh!r} and {t._layout.mesh!r}. Move one with "
+                "spmd.relayout_like / spmd.copy_to_mesh first.")
+    it = iter(tensors)
+
+    def spec(a):
+        if isinstance(a, DTensor):
+            next(it)
+            return TensorSpec(a._layout.axes, tuple(a.shape), a.dtype)
+        if isinstance(a, (list, tuple)) and any(isinstance(x, DTensor) for x in a):
+            return type(a)(spec(x) for x in a)
+        return a
+
+    call = OpCall(func, tuple(spec(a) for a in args), {k: spec(v) for k, v in kwargs.items()}, mesh,
+                  mesh.num_local_devices())
+    rule = lookup(func)
+    if rule is None:
+        return _fallback_plan(call, tensors)
+    decision = rule(call)
+    return _plan_from_decision(decision, call, tensors)
+
+
+def _plan_from_decision(decision, call, tensors) -> _Plan:
+    from spmd.layout import Layout
+    mesh = call.mesh
+    in_steps = []
+    for i, (t, want) in enumerate(zip(tensors, decision.inputs)):
+        have = t._layout.axes
+        if want is not None and want != have:
+            if decision.inplace and i == 0:
+                raise UnsupportedOpError(f"{call.describe()}: in-place op would change the layout of its target")
+            in_steps.append((i, redistribute.plan(have, tuple(want))))
+    out_layouts = [None if axes is None else Layout.from_axes(axes, mesh) for axes in decision.outputs]
+    out_steps = None
+    if decision.reduce and any(decision.reduce):
+        out_steps = [redistribute.plan(axes, axes, tuple(red), decision.reduce_op) if red else ()
+                     for axes, red in zip(decision.outputs, decision.reduce)]
+    return _Plan(decision, in_steps, out_layouts, out_steps, mesh)
+
+
+_WARNED: set = set()
+
+
+def _fallback_plan(call: OpCall, tensors) -> _Plan:
+    """An op without a rule runs once on replicated inputs, if that is safe; else a named error."""
+    from spmd.rules.common import Decision, generic_kernel, replace_tensors, unsupported
+    func = call.func
+    schema = func._schema
+    if schema.is_mutable or torch.Tag.nondeterministic_seeded in func.tags:
+        raise unsupported(call, "it mutates its inputs or draws random numbers, so it cannot run replicated")
+    if not schema.returns or any(str(r.type) != "Tensor" for r in schema.returns):
+        raise unsupported(call, "its outputs are not plain tensors")
+    metas = [torch.empty(s.shape, dtype=s.dtype, device="meta") for s in call.specs]
+    try:
+        out = func(*replace_tensors(call.args, call.kwargs, metas)[0], **replace_tensors(call.args, call.kwargs,
+                                                                                           metas)[1])
+    except Exception as e:  # no meta kernel: we cannot tell the output shape without running it
+        raise unsupported(call, f"it has no meta implementation ({type(e).__name__})") from None
+    single = len(schema.returns) == 1
+    outs = (out,) if single else tuple(out)
+    if func not in _WARNED:
+        _WARNED.add(func)
+        warnings.warn(f"spmd: no sharding rule for {func}; running it on replicated inputs (this gathers "
+                      "sharded inputs on every device)", stacklevel=3)
+    local = generic_kernel(func)
+    n = call.num_local
+
+    def kernel(locals_, args, kwargs):  # run on component 0 and broadcast: the components are identical
+        res = local([x[0] for x in locals_], args, kwargs)
+        res = (res,) if single else tuple(res)
+        res = tuple(r.unsqueeze(0).expand((n,) + tuple(r.shape)).contiguous() for r in res)
+        return res[0] if single else res
+
+    decision = Decision(tuple(tuple([None] * len(s.shape)) for s in call.specs),
+                        tuple(tuple([None] * o.dim()) for o in outs), kernel, single=single)
+    return _plan_from_decision(decision, call, tensors)

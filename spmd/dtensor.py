@@ -1,0 +1,185 @@
+"""The DTensor: a `torch.Tensor` with a global shape outside, a Layout and one component per device inside.
+
+Components of all local devices are stored stacked in one tensor `_local` of shape `(L, *local_shape)`
+(`L = mesh.num_local_devices()`), so that an op on 8 virtual devices is one kernel, not eight.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from spmd.errors import LayoutError
+from spmd.layout import Layout
+from spmd.mesh import short_device_name
+
+
+class DTensor(torch.Tensor):
+    """A distributed tensor. Create one with `pack`, `copy_to_mesh`, `relayout` or a factory with `layout=`.
+
+    Torch ops on DTensors run on every device's component (SPMD expansion) with the collectives inserted
+    for you; autograd, `nn.Module` and `torch.optim` work unchanged.
+    """
+
+    _local: torch.Tensor
+    _layout: Layout
+
+    # Ops reach `__torch_dispatch__` directly: no Python-level `__torch_function__` on the hot path.
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, local: torch.Tensor, layout: Layout, shape: Sequence[int], requires_grad: bool = False):
+        out = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=local.dtype, device=local.device,
+                                                  requires_grad=requires_grad)
+        out._local = local
+        out._layout = layout
+        return out
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        from spmd.dispatch import dispatch
+        return dispatch(func, args, kwargs or {})
+
+    # -- what a user sees ----------------------------------------------------------------------------------------
+    def __repr__(self, *, tensor_contents=None) -> str:
+        layout = self._layout
+        if layout.is_fully_replicated():
+            value = _format(self._local[0])
+        else:
+            names = [short_device_name(d) for d in layout.mesh.local_devices()]
+            value = "{" + ", ".join(f'"{n}": {_format(c)}' for n, c in zip(names, self._local)) + "}"
+        grad = ", requires_grad=True" if self.requires_grad else ""
+        return (f'DTensor({value}, layout="{layout.to_string()}", shape={tuple(self.shape)}, '
+                f"dtype={self.dtype}{grad})")
+
+    __str__ = __repr__
+
+    def numpy(self, *, force: bool = False) -> np.ndarray:
+        """The global value as a numpy array; only for a fully replicated DTensor, as in TF."""
+        if not self._layout.is_fully_replicated():
+            raise LayoutError(
+                f"Trying to copy a non-replicated DTensor to numpy is not supported (it would gather every "
+                f"shard onto the host). Layout: {self._layout.sharding_specs}, shape {list(self.shape)}. "
+                f"relayout it first: spmd.relayout(t, spmd.Layout.replicated(mesh, rank={self.dim()})).")
+        return self._local[0].detach().cpu().numpy()
+
+    def __deepcopy__(self, memo):
+        if id(self) in memo:
+            return memo[id(self)]
+        copy = type(self).__new__(type(self), self._local.detach().clone(), self._layout, self.shape,
+                                  self.requires_grad)
+        copy.__dict__.update({k: v for k, v in self.__dict__.items() if k not in ("_local", "_layout")})
+        memo[id(self)] = copy
+        return copy
+
+    def requires_grad_(self, requires_grad: bool = True):
+        super().requires_grad_(requires_grad)
+        if requires_grad and self.is_leaf:
+            keep_grad_layout(self)
+        return self
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError("a DTensor cannot be pickled directly; save it with spmd.checkpoint or unpack it first")
+
+
+def _format(component: torch.Tensor) -> str:
+    return np.array2string(component.detach().cpu().numpy(), separator=" ", threshold=64).replace("\n", "")
+
+
+def keep_grad_layout(leaf: DTensor) -> None:
+    """Relayouts gradients arriving at `leaf` to `leaf`'s layout, so `leaf.grad` has the leaf's layout."""
+    if getattr(leaf, "_grad_layout_hook", None) is not None:
+        return
+    layout = leaf._layout
+
+    def to_leaf_layout(grad):
+        if isinstance(grad, DTensor) and grad._layout != layout:
+            from spmd.api import relayout
+            return relayout(grad, layout)
+        return grad
+
+    leaf._grad_layout_hook = leaf.register_hook(to_leaf_layout)
+
+
+def make(local: torch.Tensor, layout: Layout, requires_grad: bool = False) -> DTensor:
+    """Wraps stacked components `(L, *local_shape)`; the global shape follows from the layout."""
+    shape = layout.global_shape_from_local_shape(local.shape[1:])
+    return DTensor(local, layout, shape, requires_grad)
+
+
+# -- the seeds' functions ----------------------------------------------------------------------------------------
+def is_dtensor(tensor: Any) -> bool:
+    """True for a DTensor (and a DVariable)."""
+    return isinstance(tensor, DTensor)
+
+
+def fetch_layout(tensor: Any) -> Layout | None:
+    """The layout of a DTensor; None for a non-tensor Python value.
+
+    Raises:
+      TypeError: for a plain torch.Tensor (it has no layout; `copy_to_mesh` gives it one).
+    """
+    if isinstance(tensor, DTensor):
+        return tensor._layout
+    if isinstance(tensor, torch.Tensor):
+        raise TypeError(f"fetch_layout expects a DTensor, got a plain torch.Tensor of shape {list(tensor.shape)}; "
+                        "use spmd.copy_to_mesh(tensor, layout) to distribute it")
+    return None
+
+
+def check_layout(tensor: DTensor, layout: Layout) -> None:
+    """Raises ValueError unless `tensor` has exactly `layout`."""
+    actual = fetch_layout(tensor)
+    if actual != layout:
+        raise LayoutError(f"Layout of tensor: {actual!r}, did not match expected layout: {layout!r}")
+
+
+def pack(tensors: Sequence[Any], layout: Layout) -> DTensor:
+    """Packs one component per local device (in `layout.mesh.local_devices()` order) into a DTensor.
+
+    Components may be tensors or array-likes; they are moved to the mesh's device. Differentiable: gradients
+    flow back to components that require grad.
+
+    Raises:
+      ValueError: wrong number of components, or components whose rank, shape or dtype disagree.
+
+    >>> mesh = create_mesh([("x", 2)], devices=["CPU:0", "CPU:1"])
+    >>> t = pack([[1, 2], [3, 4]], Layout(["x"], mesh))
+    >>> t.shape, [c.tolist() for c in unpack(t)]
+    (torch.Size([4]), [[1, 2], [3, 4]])
+    """
+    if not isinstance(layout, Layout):
+        raise TypeError(f"pack expects a Layout, got {type(layout).__name__}")
+    if isinstance(tensors, DTensor) or any(isinstance(t, DTensor) for t in tensors):
+        raise LayoutError("pack expects plain components; this is already a DTensor (use relayout to change "
+                          "its layout)")
+    mesh = layout.mesh
+    expected = mesh.num_local_devices()
+    if len(tensors) != expected:
+        raise LayoutError(f"pack expected {expected} components (one per local device of {mesh!r}), "
+                          f"but got {len(tensors)}")
+    components = [t if isinstance(t, torch.Tensor) else torch.as_tensor(np.asarray(t)) for t in tensors]
+    first = components[0]
+    for i, c in enumerate(components):
+        if c.dim() != layout.rank:
+            raise LayoutError(f"Packed layout should have the same rank as each component: component {i} has "
+                              f"rank {c.dim()} (shape {list(c.shape)}) while layout {layout.sharding_specs} has "
+                              f"rank {layout.rank}")
+        if c.shape != first.shape:
+            raise LayoutError(f"Components of a DTensor must all have the same shape: component 0 has "
+                              f"{list(first.shape)}, component {i} has {list(c.shape)}")
+        if c.dtype != first.dtype:
+            raise LayoutError(f"Components of a DTensor must all have the same dtype: component 0 is "
+                              f"{first.dtype}, component {i} is {c.dtype}")
+    from spmd.api import Pack
+    return Pack.apply(layout, *components)
+
+
+def unpack(tensor: DTensor) -> list[torch.Tensor]:
+    """The components of `tensor`, one per local device in `mesh.local_devices()` order (differentiable)."""
+    if not isinstance(tensor, DTensor):
+        raise TypeError(f"unpack expects a DTensor, got {type(tensor).__name__}")
+    from spmd.api import Unpack
+    return list(Unpack.apply(tensor))

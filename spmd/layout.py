@@ -1,0 +1,197 @@
+"""`Layout`: how each axis of a tensor is sharded over a `Mesh` (the seeds' `dtensor.Layout`).
+
+One sharding spec per tensor axis: the name of a mesh dimension (the axis is split evenly over it) or
+`UNSHARDED`. The tensor is replicated over every mesh dimension its layout does not name.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from spmd.errors import IndivisibleError, LayoutError
+from spmd.mesh import Mesh
+
+UNSHARDED = "unsharded"
+MATCH = "match"  # only meaningful in `relayout`: keep the axis as it is
+
+
+class Layout:
+    """The sharding of a tensor of rank `len(sharding_specs)` on `mesh`.
+
+    Args:
+      sharding_specs: per tensor axis, a mesh dimension name, `UNSHARDED`, or (for `relayout`) `MATCH`.
+      mesh: the `Mesh`.
+
+    Raises:
+      ValueError: if `mesh` is not a Mesh, a spec is unknown, or a mesh dimension is used twice.
+
+    >>> mesh = create_mesh([("x", 2), ("y", 4)])
+    >>> layout = Layout(["y", UNSHARDED], mesh)
+    >>> layout.num_shards(0), layout.local_shape_from_global_shape([8, 6])
+    (4, (2, 6))
+    >>> layout.to_string()[:33]
+    'sharding_specs:y,unsharded, mesh:'
+    """
+
+    __slots__ = ("_specs", "_mesh", "axes", "_hash", "_string")
+
+    def __init__(self, sharding_specs: Sequence[str], mesh: Mesh):
+        if not isinstance(mesh, Mesh):
+            raise LayoutError(f"mesh is not a valid Mesh object: got {type(mesh).__name__} {mesh!r}.")
+        if isinstance(sharding_specs, str) or not all(isinstance(s, str) for s in sharding_specs):
+            raise LayoutError(f"sharding_specs must be a list of strings, got {sharding_specs!r}")
+        specs = tuple(sharding_specs)
+        for spec in specs:
+            if spec not in (UNSHARDED, MATCH) and spec not in mesh:
+                raise LayoutError(f"{spec}: A dimension sharding must either be a valid mesh dimension or "
+                                  f"UNSHARDED. Mesh dimensions: {mesh.dim_names}")
+        used = [s for s in specs if s not in (UNSHARDED, MATCH)]
+        for name in used:
+            if used.count(name) > 1:
+                raise LayoutError(f"Mesh dimension {name} was repeated in sharding specification {list(specs)}. "
+                                  "Mesh dimensions must be unique in a layout.")
+        self._specs = specs
+        self._mesh = mesh
+        # Per tensor axis: the mesh dimension it is sharded over, or None. The executor reads only this.
+        self.axes = tuple(None if s == UNSHARDED else s for s in specs)
+        self._string = "sharding_specs:" + "".join(s + "," for s in specs) + " mesh:" + mesh.to_string()
+        self._hash = hash((specs, mesh))
+
+    # -- constructors --------------------------------------------------------------------------------------------
+    @classmethod
+    def replicated(cls, mesh: Mesh, rank: int) -> "Layout":
+        """A layout of `rank` axes replicated on every device of `mesh`."""
+        _check_rank(rank)
+        return cls([UNSHARDED] * rank, mesh)
+
+    @classmethod
+    def batch_sharded(cls, mesh: Mesh, batch_dim: str, rank: int, axis: int = 0) -> "Layout":
+        """A layout sharding tensor axis `axis` over mesh dimension `batch_dim`, other axes unsharded."""
+        _check_rank(rank)
+        if not 0 <= axis < rank:
+            raise LayoutError(f"axis {axis} is out of range for a layout of rank {rank}")
+        return cls([UNSHARDED] * axis + [batch_dim] + [UNSHARDED] * (rank - axis - 1), mesh)
+
+    @classmethod
+    def inner_sharded(cls, mesh: Mesh, inner_dim: str, rank: int) -> "Layout":
+        """A layout sharding the last tensor axis over `inner_dim`."""
+        return cls.batch_sharded(mesh, inner_dim, rank, axis=rank - 1)
+
+    @classmethod
+    def from_axes(cls, axes: Sequence[str | None], mesh: Mesh) -> "Layout":
+        """Builds a layout from per-axis mesh dimension names, `None` meaning unsharded."""
+        return cls([UNSHARDED if a is None else a for a in axes], mesh)
+
+    # -- members -------------------------------------------------------------------------------------------------
+    @property
+    def sharding_specs(self) -> list[str]:
+        return list(self._specs)
+
+    @property
+    def mesh(self) -> Mesh:
+        return self._mesh
+
+    @property
+    def rank(self) -> int:
+        return len(self._specs)
+
+    @property
+    def shape(self) -> list[int]:
+        """The mesh shape (as in TF; not the tensor shape)."""
+        return self._mesh.shape()
+
+    def num_shards(self, idx: int) -> int:
+        """How many pieces tensor axis `idx` is split into."""
+        if not -self.rank <= idx < self.rank:
+            raise LayoutError(f"axis {idx} is out of range for {self!r} of rank {self.rank}")
+        spec = self._specs[idx]
+        if spec == MATCH:
+            return 2 ** 64 - 1
+        return 1 if spec == UNSHARDED else self._mesh.dim_size(spec)
+
+    def num_shards_per_axis(self) -> list[int]:
+        return [self.num_shards(i) for i in range(self.rank)]
+
+    def is_fully_replicated(self) -> bool:
+        return all(s == UNSHARDED for s in self._specs)
+
+    def is_batch_parallel(self) -> bool:
+        return bool(self._specs) and self._specs[0] != UNSHARDED and all(s == UNSHARDED for s in self._specs[1:])
+
+    def is_single_device(self) -> bool:
+        return False
+
+    def local_shape_from_global_shape(self, global_shape: Sequence[int]) -> tuple[int, ...]:
+        """Per-device component shape (floor division, as TF; `check_divisible` raises instead)."""
+        return tuple(s if s == -1 else s // n for s, n in zip(global_shape, self.num_shards_per_axis()))
+
+    def global_shape_from_local_shape(self, local_shape: Sequence[int]) -> tuple[int, ...]:
+        return tuple(s * n for s, n in zip(local_shape, self.num_shards_per_axis()))
+
+    def check_divisible(self, global_shape: Sequence[int]) -> None:
+        """Raises `IndivisibleError` unless every sharded axis of `global_shape` splits evenly."""
+        if len(global_shape) != self.rank:
+            raise LayoutError(f"a tensor of shape {list(global_shape)} (rank {len(global_shape)}) cannot take "
+                              f"layout {self.sharding_specs} of rank {self.rank}")
+        for axis, (size, spec) in enumerate(zip(global_shape, self._specs)):
+            if spec not in (UNSHARDED, MATCH) and size % self._mesh.dim_size(spec):
+                raise IndivisibleError(
+                    f"axis {axis} of a tensor of shape {list(global_shape)} has size {size}, which does not divide "
+                    f"by the {self._mesh.dim_size(spec)} shards of mesh dimension {spec!r} (layout "
+                    f"{self.sharding_specs}); spmd shards evenly, so pick a size divisible by "
+                    f"{self._mesh.dim_size(spec)} or leave that axis UNSHARDED")
+
+    def offset_to_shard(self) -> list[tuple[int, ...]]:
+        """For each device of the mesh (row-major), the index of the shard it holds along each tensor axis."""
+        mesh = self._mesh
+        out = []
+        for device in range(mesh.size):
+            loc = mesh.device_location(device)
+            out.append(tuple(0 if s == UNSHARDED else loc[mesh.axis_index(s)] for s in self._specs))
+        return out
+
+    def offset_tuple_to_global_index(self, offset_tuple: Sequence[int]) -> int:
+        index = 0
+        for offset, shards in zip(offset_tuple, self.num_shards_per_axis()):
+            index = index * shards + offset
+        return index
+
+    def delete(self, dims: int | Sequence[int]) -> "Layout":
+        """A new layout without the tensor axes `dims`."""
+        drop = {d % self.rank for d in ([dims] if isinstance(dims, int) else dims)}
+        return Layout([s for i, s in enumerate(self._specs) if i not in drop], self._mesh)
+
+    # -- string format, value semantics --------------------------------------------------------------------------
+    def to_string(self) -> str:
+        """TF's format: `sharding_specs:x,unsharded, mesh:<mesh string>` (every spec followed by a comma)."""
+        return self._string
+
+    @classmethod
+    def from_string(cls, layout_str: str) -> "Layout":
+        head, sep, mesh_str = layout_str.partition(" mesh:")
+        if not sep or not head.startswith("sharding_specs:"):
+            raise LayoutError(f"Expected 'sharding_specs:<specs>, mesh:<mesh>', got {layout_str!r}")
+        specs = head[len("sharding_specs:"):]
+        if specs and not specs.endswith(","):
+            raise LayoutError(f"every sharding spec must be followed by ',' in {layout_str!r}")
+        return cls([s for s in specs.split(",")[:-1]] if specs else [], Mesh.from_string(mesh_str))
+
+    def __eq__(self, other) -> bool:
+        return self is other or (isinstance(other, Layout) and self._specs == other._specs
+                                 and self._mesh == other._mesh)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __repr__(self) -> str:
+        return f"Layout.from_string({self._string})"
+
+    __str__ = __repr__
+
+    def __reduce__(self):
+        return Layout.from_string, (self._string,)
+
+
+def _check_rank(rank: int) -> None:
+    if not isinstance(rank, int) or rank < 0:
+        raise LayoutError(f"rank must be a non-negative integer, got {rank!r}")

@@ -1,0 +1,147 @@
+"""Layout-invariant random numbers: values are a function of (seed, global element index) only.
+
+A counter-based generator (the splitmix64 mixer over the global linear index) lets every device generate
+exactly its own shard, and gives the same global tensor for every layout, mesh and number of devices.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+
+from spmd.layout import Layout
+
+_GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as a signed 64-bit integer
+_M1 = -4658895280553007687  # 0xBF58476D1CE4E5B9
+_M2 = -7723592293110705685  # 0x94D049BB133111EB
+_MASK64 = (1 << 64) - 1
+
+
+def _mix(z: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser on int64 tensors (wrapping multiply; logical shifts emulated with masks)."""
+    z = z ^ ((z >> 30) & ((1 << 34) - 1))
+    z = z * _M1
+    z = z ^ ((z >> 27) & ((1 << 37) - 1))
+    z = z * _M2
+    return z ^ ((z >> 31) & ((1 << 33) - 1))
+
+
+def _signed(x: int) -> int:
+    x &= _MASK64
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+def _key(seed, stream: int) -> int:
+    """One 64-bit key from a seed (an int, or a pair of ints as in TF) and a stream number."""
+    if isinstance(seed, torch.Tensor):
+        seed = seed.tolist()
+    parts = list(seed) if isinstance(seed, (list, tuple)) else [seed]
+    key = 0x5EED
+    for p in parts + [stream]:
+        key = int(_mix(torch.tensor([_signed(key * 0x100000001B3 ^ int(p))]))[0])
+    return key
+
+
+def global_index(shape: Sequence[int], axes: Sequence, mesh, device) -> torch.Tensor:
+    """int64 tensor `(L, *local_shape)`: the global row-major index of every element each local device holds."""
+    n_local = mesh.num_local_devices()
+    locations = [mesh.device_location(i - mesh.min_global_device_id()) for i in mesh.local_device_ids()]
+    index = torch.zeros((n_local,) + (1,) * len(shape), dtype=torch.int64, device=device)
+    stride = 1
+    for a in reversed(range(len(shape))):
+        m = axes[a]
+        local = shape[a] // (mesh.dim_size(m) if m else 1)
+        first = torch.tensor([loc[mesh.axis_index(m)] * local if m else 0 for loc in locations], device=device)
+        view = [1] * (len(shape) + 1)
+        view[a + 1] = local
+        index = index + (first.view((n_local,) + (1,) * len(shape)) + torch.arange(
+            local, device=device).view(view)) * stride
+        stride *= shape[a]
+    return index.expand((n_local,) + tuple(s // (mesh.dim_size(m) if m else 1) for s, m in zip(shape, axes)))
+
+
+def uniform_bits(index: torch.Tensor, key: int) -> torch.Tensor:
+    return _mix(index * _GOLDEN + key)
+
+
+def uniform01(index: torch.Tensor, key: int, dtype: torch.dtype) -> torch.Tensor:
+    """Uniform floats in [0, 1) (53 random bits for float64, 24 otherwise)."""
+    bits = uniform_bits(index, key)
+    if dtype == torch.float64:
+        return ((bits >> 11) & ((1 << 53) - 1)).to(torch.float64) * 2.0 ** -53
+    return (((bits >> 40) & ((1 << 24) - 1)).to(torch.float32) * 2.0 ** -24).to(dtype)
+
+
+def normal01(index: torch.Tensor, seed, dtype: torch.dtype, round_: int = 0) -> torch.Tensor:
+    """Standard normal values by Box-Muller over two uniform streams."""
+    u1 = uniform01(index, _key(seed, 2 * round_ + 1), torch.float64)
+    u2 = uniform01(index, _key(seed, 2 * round_ + 2), torch.float64)
+    return (torch.sqrt(-2.0 * torch.log1p(-u1)) * torch.cos(2 * math.pi * u2)).to(dtype)
+
+
+def truncated01(index: torch.Tensor, seed, dtype: torch.dtype) -> torch.Tensor:
+    """Standard normal values restricted to [-2, 2]: each element takes its first draw that falls inside."""
+    out = normal01(index, seed, torch.float64, 0)
+    for r in range(1, 64):
+        bad = out.abs() > 2
+        if not bad.any():
+            break
+        out = torch.where(bad, normal01(index, seed, torch.float64, r), out)
+    return out.clamp(-2, 2).to(dtype)
+
+
+def _generate(shape, layout: Layout | None, device, fn):
+    from spmd.dtensor import make
+    shape = tuple(int(s) for s in shape)
+    if layout is None:
+        index = torch.arange(math.prod(shape), dtype=torch.int64, device=device).view(shape)
+        return fn(index)
+    layout.check_divisible(shape)
+    mesh = layout.mesh
+    return make(fn(global_index(shape, layout.axes, mesh, mesh.torch_device)).contiguous(), layout)
+
+
+def stateless_uniform(shape: Sequence[int], seed, minval=0, maxval=None, dtype=torch.float32,
+                      layout: Layout | None = None, device=None):
+    """Uniform values in [minval, maxval) that depend only on `seed` and the global index.
+
+    Args:
+      shape: the global shape. seed: an int or a pair of ints (as TF's `seed=(1, 2)`).
+      minval, maxval: the range; `maxval` defaults to 1 for floating dtypes and is required for integers.
+      dtype: the torch dtype. layout: a `Layout` to get a DTensor (each device generates only its shard).
+      device: the device of a plain (layout-less) result.
+
+    >>> a = stateless_uniform((4, 4), seed=(1, 2))
+    >>> mesh = spmd.create_mesh([("x", 2), ("y", 2)])
+    >>> b = stateless_uniform((4, 4), seed=(1, 2), layout=spmd.Layout(["x", "y"], mesh))
+    >>> bool((spmd.relayout(b, spmd.Layout.replicated(mesh, 2)).numpy() == a.numpy()).all())
+    True
+    """
+    if not dtype.is_floating_point:
+        if maxval is None:
+            raise ValueError("stateless_uniform with an integer dtype needs maxval")
+        span = int(maxval) - int(minval)
+        return _generate(shape, layout, device, lambda i: ((uniform_bits(i, _key(seed, 0)) >> 1) % span
+                                                           + int(minval)).to(dtype))
+    maxval = 1 if maxval is None else maxval
+    return _generate(shape, layout, device,
+                     lambda i: uniform01(i, _key(seed, 0), dtype) * (maxval - minval) + minval)
+
+
+def stateless_normal(shape: Sequence[int], seed, mean=0.0, stddev=1.0, dtype=torch.float32,
+                     layout: Layout | None = None, device=None):
+    """Normal values (mean, stddev) that depend only on `seed` and the global index (see `stateless_uniform`)."""
+    return _generate(shape, layout, device, lambda i: normal01(i, seed, dtype) * stddev + mean)
+
+
+def stateless_truncated_normal(shape: Sequence[int], seed, mean=0.0, stddev=1.0, dtype=torch.float32,
+                               layout: Layout | None = None, device=None):
+    """Normal values re-drawn until within two standard deviations of the mean (TF's truncated normal)."""
+    return _generate(shape, layout, device, lambda i: truncated01(i, seed, dtype) * stddev + mean)
+
+
+def draw_seed(generator: torch.Generator | None = None) -> int:
+    """A fresh seed from torch's generator, so `torch.manual_seed` makes spmd's random ops reproducible."""
+    return int(torch.randint(0, 2 ** 62, (1,), generator=generator).item())

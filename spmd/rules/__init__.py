@@ -1,0 +1,40 @@
+"""Sharding rules, one module per algebraic family, and the table that finds the rule of an op.
+
+A rule is registered for aten overloads with `@register(aten.op.overload, ...)` (or a whole packet).
+Pointwise ops need no registration: ops carrying `torch.Tag.pointwise` use the pointwise rule.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_RULES: dict = {}
+
+
+def register(*ops):
+    """Registers the decorated rule for each aten overload (a packet registers all its overloads)."""
+    def deco(rule):
+        for op in ops:
+            if isinstance(op, torch._ops.OpOverloadPacket):
+                for name in op.overloads():
+                    _RULES[getattr(op, name)] = rule
+            else:
+                _RULES[op] = rule
+        return rule
+    return deco
+
+
+def lookup(func):
+    """The rule for `func`, or None (the dispatcher then tries a replicated fallback or raises)."""
+    rule = _RULES.get(func)
+    if rule is None and torch.Tag.pointwise in func.tags:
+        from spmd.rules.pointwise import pointwise_rule
+        rule = _RULES[func] = pointwise_rule
+    return rule
+
+
+def registered_ops() -> list:
+    return sorted(_RULES, key=str)
+
+
+from spmd.rules import contraction, nn, pointwise, random_ops, reduction, tensor_ops, view  # noqa: E402,F401

@@ -1,0 +1,171 @@
+"""Neural-network ops: layer norm, embedding, negative log-likelihood (and their backward ops).
+
+Each works on stacked components `(L, *local)`; where an op would sum over its leading axes (a weight
+gradient), the sum is taken per device and then all-reduced over the mesh dims that shard those axes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from spmd.rules import register
+from spmd.rules.common import Decision, OpCall, unsupported
+from spmd.rules.reduction import arg
+
+aten = torch.ops.aten
+
+
+def _batch_dims(axes) -> tuple:
+    return tuple(m for m in axes if m is not None)
+
+
+@register(aten.native_layer_norm.default)
+def layer_norm_rule(call: OpCall) -> Decision:
+    """Normalised axes must be whole on each device; weight and bias are replicated; other axes keep sharding."""
+    x = call.specs[0]
+    n = len(arg(call, "normalized_shape"))
+    axes = x.axes[:x.rank - n] + (None,) * n
+    replicated = tuple((None,) * s.rank for s in call.specs[1:])
+    stats = axes[:x.rank - n] + (None,) * n
+
+    def kernel(l, a, k):
+        weight = l[1][0] if len(l) > 1 and a[2] is not None else None
+        bias = l[-1][0] if a[3] is not None else None
+        return aten.native_layer_norm.default(l[0], a[1], weight, bias, a[4])
+    return Decision((axes,) + replicated, (axes, stats, stats), kernel, single=False)
+
+
+@register(aten.native_layer_norm_backward.default)
+def layer_norm_backward_rule(call: OpCall) -> Decision:
+    grad, x = call.specs[0], call.specs[1]
+    normalized, _, _, weight, bias, mask = call.args[2:8]
+    n = len(normalized)
+    axes = x.axes[:x.rank - n] + (None,) * n
+    params = (None,) * n
+    reduced = _batch_dims(axes)
+    has_w, has_b = isinstance(weight, tuple) or weight is not None, bias is not None
+    inputs = [axes, axes, axes, axes] + [params] * (int(has_w) + int(has_b))
+
+    def kernel(l, a, k):
+        g, xl, mean, rstd = l[:4]
+        w = l[4][0] if has_w else None
+        gx = aten.native_layer_norm_backward.default(g, xl, normalized, mean, rstd, w, None,
+                                                     [mask[0], False, False])[0]
+        lead = tuple(range(1, g.dim() - n))  # per device: sum over the local leading axes, not the stack axis
+        gw = (g * ((xl - mean) * rstd)).sum(lead) if mask[1] and has_w else None
+        gb = g.sum(lead) if mask[2] and has_b else None
+        return gx, gw, gb
+    return Decision(tuple(inputs), (axes, params, params), kernel, reduce=((), reduced, reduced), single=False)
+
+
+@register(aten.embedding.default)
+def embedding_rule(call: OpCall) -> Decision:
+    """A table sharded on the vocabulary axis: each device looks up the rows it holds (others give zeros) and
+    one all-reduce sums the pieces. A table sharded on the embedding axis: a local lookup."""
+    table, idx = call.specs
+    vocab_dim, emb_dim = table.axes
+    idx_axes = tuple(None if m in (vocab_dim, emb_dim) else m for m in idx.axes)
+    rows = table.shape[0] // call.shards(vocab_dim)
+    mesh, n_local = call.mesh, call.num_local
+    offsets = None
+    if vocab_dim is not None:  # first row held by each local device, shaped to broadcast over the indices
+        loc = [mesh.device_location(i - mesh.min_global_device_id()) for i in mesh.local_device_ids()]
+        first = [c[mesh.axis_index(vocab_dim)] * rows for c in loc]
+        offsets = torch.tensor(first).view((n_local,) + (1,) * idx.rank)
+    stack_base = torch.arange(n_local).view((n_local,) + (1,) * idx.rank) * rows
+
+    def kernel(l, a, k):
+        weight, ids = l
+        flat = weight.reshape(n_local * rows, weight.shape[-1])
+        if offsets is None:
+            return torch.nn.functional.embedding(ids + stack_base.to(ids.device), flat).view(
+                ids.shape + (weight.shape[-1],))
+        local = ids - offsets.to(ids.device)
+        outside = (local < 0) | (local >= rows)
+        out = torch.nn.functional.embedding(local.clamp(0, rows - 1) + stack_base.to(ids.device), flat)
+        return out.masked_fill_(outside.unsqueeze(-1), 0)
+    reduce = ((vocab_dim,),) if vocab_dim is not None else ()
+    return Decision(((vocab_dim, emb_dim), idx_axes), (idx_axes + (emb_dim,),), kernel, reduce=reduce)
+
+
+@register(aten.embedding_dense_backward.default)
+def embedding_backward_rule(call: OpCall) -> Decision:
+    """The gradient of the whole table per device (replicated rows), summed over the mesh dims sharding the ids."""
+    grad, idx = call.specs
+    num_weights, padding_idx, scale_by_freq = call.args[2:5]
+    idx_axes = tuple(None if m == grad.axes[-1] else m for m in idx.axes)
+    if scale_by_freq:  # the frequencies must be global: gather the ids
+        idx_axes = (None,) * idx.rank
+    emb_dim = grad.axes[-1]
+    n_local = call.num_local
+
+    def kernel(l, a, k):
+        g, ids = l
+        width = g.shape[-1]
+        stacked = ids + (torch.arange(n_local, device=ids.device) * num_weights).view((n_local,) + (1,) * (
+            ids.dim() - 1))
+        out = aten.embedding_dense_backward.default(g.reshape(-1, width), stacked.reshape(-1),
+                                                    n_local * num_weights, -1, scale_by_freq)
+        out = out.view(n_local, num_weights, width)
+        if padding_idx >= 0:
+            out[:, padding_idx] = 0
+        return out
+    return Decision((idx_axes + (emb_dim,), idx_axes), ((None, emb_dim),), kernel,
+                    reduce=((_batch_dims(idx_axes)),) if _batch_dims(idx_axes) else ())
+
+
+@register(aten.nll_loss_forward.default)
+def nll_loss_rule(call: OpCall) -> Decision:
+    """Per device: the sum of the picked log-probabilities and of their weights; both all-reduced; the mean is
+    their ratio. The class axis must be whole on each device."""
+    x, target = call.specs[0], call.specs[1]
+    weight, reduction, ignore_index = call.args[2:5]
+    if x.rank not in (1, 2):
+        raise unsupported(call, "input of rank > 2")
+    batch = x.axes[0] if x.rank == 2 else None
+    if batch is not None and target.axes[0] not in (batch, None):
+        batch = None
+    x_axes = ((batch, None) if x.rank == 2 else (None,))
+    t_axes = (batch,) if x.rank == 2 else ()
+    inputs = (x_axes, t_axes) + (((None,),) if weight is not None else ())
+    n_local = call.num_local
+
+    def kernel(l, a, k):
+        xl, tl = l[0], l[1]
+        w = l[2][0] if weight is not None else None
+        flat_x = xl.reshape(-1, xl.shape[-1])
+        per, _ = aten.nll_loss_forward.default(flat_x, tl.reshape(-1), w, 0, ignore_index)
+        if reduction == 0:
+            return per.view(tl.shape), xl.new_zeros(n_local)
+        mask = (tl != ignore_index).reshape(n_local, -1)
+        picked_w = (w[tl.clamp(min=0)] if w is not None else torch.ones_like(tl, dtype=xl.dtype))
+        total = (picked_w.reshape(n_local, -1) * mask).sum(1)
+        return per.view(n_local, -1).sum(1), total
+    reduced = (batch,) if batch is not None and reduction != 0 else ()
+
+    def epilogue(outs, l, a, k):
+        return [outs[0] / outs[1], outs[1]] if reduction == 1 else outs
+    out_axes = (t_axes if reduction == 0 else (), ())
+    return Decision(inputs, out_axes, kernel, reduce=(reduced, reduced) if reduced else (), epilogue=epilogue,
+                    single=False)
+
+
+@register(aten.nll_loss_backward.default)
+def nll_loss_backward_rule(call: OpCall) -> Decision:
+    grad, x, target = call.specs[0], call.specs[1], call.specs[2]
+    weight, reduction, ignore_index = call.args[3:6]
+    batch = x.axes[0] if x.rank == 2 else None
+    x_axes = (batch, None) if x.rank == 2 else (None,)
+    t_axes = (batch,) if x.rank == 2 else ()
+    g_axes = t_axes if reduction == 0 else ()
+    inputs = (g_axes, x_axes, t_axes) + (((None,),) if weight is not None else ()) + ((),)
+
+    def kernel(l, a, k):
+        g, xl, tl = l[0], l[1], l[2]
+        w = l[3][0] if weight is not None else None
+        total = l[-1][0]
+        flat_g = g.reshape(-1) if reduction == 0 else g[0]
+        out = aten.nll_loss_backward.default(flat_g, xl.reshape(-1, xl.shape[-1]), tl.reshape(-1), w, reduction,
+                                             ignore_index, total)
+        return out.view(xl.shape)
+    return Decision(inputs, (x_axes,), kernel)

@@ -1,0 +1,103 @@
+"""Pointwise ops: each output element depends on the same element of every (broadcast) operand.
+
+Why the rule holds: slicing commutes with elementwise maps, so any sharding of the output can be computed
+locally once every operand has the same sharding (broadcast axes of size 1 stay unsharded).
+Output layout (TF's elementwise rule): operands are right-aligned; per axis the first operand's sharding
+wins; a mesh dim that would shard two different output axes shards neither. In-place ops keep `self`'s layout.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from spmd.rules import register
+from spmd.rules.common import Decision, OpCall, TensorSpec, generic_kernel, unsupported
+
+aten = torch.ops.aten
+
+
+def is_inplace(func) -> bool:
+    args = func._schema.arguments
+    return bool(args) and args[0].alias_info is not None and args[0].alias_info.is_write
+
+
+def broadcast_shape(shapes) -> tuple[int, ...]:
+    return tuple(torch.broadcast_shapes(*[torch.Size(s) for s in shapes])) if shapes else ()
+
+
+def merge_axes(specs: list[TensorSpec], out_shape: tuple[int, ...]) -> tuple:
+    r = len(out_shape)
+    claims: dict = {}  # mesh dim -> output axes it shards in some operand
+    first: list = [None] * r
+    for s in specs:
+        for j, m in enumerate(s.axes):
+            i = j + r - s.rank
+            if m is None or (s.shape[j] == 1 and out_shape[i] != 1):
+                continue
+            claims.setdefault(m, set()).add(i)
+            if first[i] is None:
+                first[i] = m
+    conflicted = {i for axes in claims.values() if len(axes) > 1 for i in axes}
+    out = [None if i in conflicted else m for i, m in enumerate(first)]
+    # a mesh dim may still appear twice if it lost on one axis and won on another: keep it on the first
+    seen = set()
+    for i, m in enumerate(out):
+        if m is not None:
+            if m in seen:
+                out[i] = None
+            seen.add(m)
+    return tuple(out)
+
+
+def aligned_inputs(call: OpCall, specs: list[TensorSpec], out_axes: tuple, out_shape: tuple):
+    """Per operand: the axes it must have for `out_axes`, and the view that right-aligns its rank."""
+    r = len(out_shape)
+    inputs, views = [], []
+    for s in specs:
+        axes = tuple(None if (s.shape[j] == 1 and out_shape[j + r - s.rank] != 1) else out_axes[j + r - s.rank]
+                     for j in range(s.rank))
+        inputs.append(axes)
+        views.append(None if s.rank == r else (call.num_local,) + (1,) * (r - s.rank) + call.local_shape(s, axes))
+    return tuple(inputs), tuple(views)
+
+
+def pointwise_rule(call: OpCall) -> Decision:
+    specs = call.specs
+    if any(a.alias_info is not None and a.alias_info.is_write for a in call.func._schema.arguments[1:]):
+        raise unsupported(call, "out= variants are not supported; use the functional form")
+    out_shape = broadcast_shape([s.shape for s in specs])
+    inplace = is_inplace(call.func)
+    out_axes = specs[0].axes if inplace else merge_axes(specs, out_shape)
+    if inplace and specs[0].shape != out_shape:
+        raise unsupported(call, "in-place op whose result would broadcast self")
+    inputs, views = aligned_inputs(call, specs, out_axes, out_shape)
+    kernel = generic_kernel(call.func, views=views if any(v is not None for v in views) else None)
+    return Decision(inputs, (out_axes,), kernel, inplace=inplace)
+
+
+def like_rule(call: OpCall) -> Decision:
+    """Ops whose output has the layout of their first input, computed independently per component."""
+    specs = call.specs
+    axes = specs[0].axes
+    return Decision(tuple(axes if i == 0 else s.axes for i, s in enumerate(specs)), (axes,),
+                    generic_kernel(call.func), inplace=is_inplace(call.func))
+
+
+register(aten.clone, aten.alias, aten.detach, aten.lift_fresh, aten.zeros_like, aten.ones_like, aten.empty_like,
+         aten.full_like, aten.fill_, aten.zero_, aten.positive, aten._conj, aten.conj_physical)(like_rule)
+
+
+@register(aten._to_copy.default)
+def to_copy_rule(call: OpCall) -> Decision:
+    device = call.kwargs.get("device")
+    if device is not None and torch.device(device) != call.mesh.torch_device:
+        raise unsupported(call, f"it moves the tensor to {device}, but the mesh's components live on "
+                                f"{call.mesh.torch_device}; create a mesh on that device and use copy_to_mesh")
+    return like_rule(call)
+
+
+@register(aten.copy_.default)
+def copy_rule(call: OpCall) -> Decision:
+    dst, src = call.specs
+    inputs, views = aligned_inputs(call, [dst, src], dst.axes, dst.shape)
+    return Decision(inputs, (dst.axes,), generic_kernel(call.func, views=views), inplace=True)

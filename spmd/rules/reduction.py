@@ -1,0 +1,142 @@
+"""Reductions over tensor axes.
+
+Why the rules hold: with even shards, sum/max/min of the per-shard results is the global sum/max/min, and the
+mean of equal-sized shard means is the global mean, so a sharded reduced axis costs one all-reduce over its
+mesh dim. Reductions that do not decompose that way (var, argmax, prod, ...) first gather the reduced axes.
+Output layout (TF): the input layout without the reduced axes (kept as unsharded with keepdim).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from spmd.rules import register
+from spmd.rules.common import Decision, OpCall, generic_kernel, norm_dims
+
+aten = torch.ops.aten
+
+
+def arg(call: OpCall, name: str, default=None):
+    """The value of argument `name` of the op, positional or keyword."""
+    for i, a in enumerate(call.func._schema.arguments):
+        if a.name == name:
+            if i < len(call.args):
+                return call.args[i]
+            return call.kwargs.get(name, default)
+    return default
+
+
+def arg_index(func, name: str) -> int:
+    return next(i for i, a in enumerate(func._schema.arguments) if a.name == name)
+
+
+def reduce_rule(call: OpCall, mode: str, dims=None, keepdim=None) -> Decision:
+    """mode: 'sum' | 'avg' | 'max' | 'min' (one all-reduce) or 'gather' (unshard the reduced axes first)."""
+    spec = call.specs[0]
+    r = spec.rank
+    dims = norm_dims(arg(call, "dim") if dims is None else dims, r)
+    keepdim = bool(arg(call, "keepdim", False)) if keepdim is None else keepdim
+    axes = spec.axes
+    if mode == "gather":
+        axes = tuple(None if i in dims else m for i, m in enumerate(axes))
+    out_axes = tuple(None if i in dims else m for i, m in enumerate(axes) if keepdim or i not in dims)
+    reduced = tuple(axes[i] for i in dims if axes[i] is not None)
+    kernel = _dims_kernel(call, dims, r)
+    n_out = len(call.func._schema.returns)
+    return Decision((axes,) + tuple(s.axes for s in call.specs[1:]), (out_axes,) * n_out, kernel,
+                    reduce=((reduced,) * n_out) if reduced else (), reduce_op=mode, single=n_out == 1)
+
+
+def _dims_kernel(call: OpCall, dims: tuple, r: int):
+    """Runs the op on stacked components with its `dim` argument shifted past the stack axis."""
+    func = call.func
+    names = [a.name for a in func._schema.arguments]
+    local_dims = [d + 1 for d in dims]
+    if "dim" in names:
+        dim_type = str(func._schema.arguments[names.index("dim")].type)
+        value = local_dims[0] if dim_type in ("int", "int?") else local_dims
+        if dim_type in ("int", "int?") and len(dims) != 1:
+            return _full_kernel(call, r)
+        return generic_kernel(func, arg_overrides={names.index("dim"): value})
+    return _full_kernel(call, r)
+
+
+def _full_kernel(call: OpCall, r: int):
+    """Full reductions (no dim argument, or dim=None): reduce every axis but the stack axis."""
+    func = call.func
+    dims = tuple(range(1, r + 1))
+    if func in (aten.sum.default, aten.mean.default):
+        torch_fn = torch.sum if func is aten.sum.default else torch.mean
+        return lambda l, a, k: l[0].clone() if r == 0 else torch_fn(l[0], dim=dims, dtype=k.get("dtype"))
+    if func in (aten.max.default, aten.min.default, aten.amax.default, aten.amin.default):
+        torch_fn = torch.amax if func in (aten.max.default, aten.amax.default) else torch.amin
+        return lambda l, a, k: l[0].clone() if r == 0 else torch_fn(l[0], dim=dims)
+    names = [x.name for x in func._schema.arguments]
+    if "dim" not in names:  # prod/any/all of everything: flatten each component, reduce its axis 1
+        torch_fn = {aten.prod.default: torch.prod, aten.any.default: torch.any, aten.all.default: torch.all}[func]
+        return lambda l, a, k: torch_fn(l[0].reshape(l[0].shape[0], -1), dim=1, **k)
+    # other ops with dim=None reduce the flattened tensor: flatten each component, reduce its axis 1
+    inner = generic_kernel(func, arg_overrides={names.index("dim"): 1} if "dim" in names else None)
+
+    def kernel(locals_, args, kwargs):
+        x = locals_[0].reshape(locals_[0].shape[0], -1)
+        return inner([x] + list(locals_[1:]), args, kwargs)
+    return kernel
+
+
+register(aten.sum.dim_IntList, aten.sum.default)(lambda call: reduce_rule(call, "sum"))
+register(aten.mean.dim, aten.mean.default)(lambda call: reduce_rule(call, "avg"))
+register(aten.amax.default, aten.max.default)(lambda call: reduce_rule(call, "max"))
+register(aten.amin.default, aten.min.default)(lambda call: reduce_rule(call, "min"))
+register(aten.var.correction, aten.std.correction, aten.var_mean.correction, aten.std_mean.correction,
+         aten.max.dim, aten.min.dim, aten.argmax.default, aten.argmin.default, aten.prod.dim_int,
+         aten.prod.default, aten.any.dim, aten.all.dim, aten.any.default, aten.all.default, aten.logsumexp.default,
+         aten.median.dim, aten.mode.default)(lambda call: reduce_rule(call, "gather"))
+
+
+@register(aten.linalg_vector_norm.default)
+def norm_rule(call: OpCall) -> Decision:
+    """‖x‖_p: all-reduce the local sums of |x|^p (or the local max for p=inf), then take the p-th root."""
+    spec = call.specs[0]
+    ord_ = float(arg(call, "ord", 2))
+    dims = norm_dims(arg(call, "dim"), spec.rank)
+    if ord_ not in (1.0, 2.0, float("inf")) or not any(spec.axes[i] for i in dims):
+        return reduce_rule(call, "gather")
+    decision = reduce_rule(call, "max" if ord_ == float("inf") else "sum")
+    keepdim = bool(arg(call, "keepdim", False))
+    local_dims = tuple(d + 1 for d in dims)
+
+    def kernel(locals_, args, kwargs):
+        x = locals_[0].abs()
+        dtype = kwargs.get("dtype")
+        if dtype is not None:
+            x = x.to(dtype)
+        if ord_ == float("inf"):
+            return x.amax(dim=local_dims, keepdim=keepdim)
+        return (x if ord_ == 1.0 else x * x).sum(dim=local_dims, keepdim=keepdim)
+
+    decision.kernel = kernel
+    if ord_ == 2.0:
+        decision.epilogue = lambda outs, l, a, k: [outs[0].sqrt()]
+    return decision
+
+
+@register(aten.cumsum.default, aten.cumprod.default, aten.sort.default, aten.sort.stable, aten.topk.default,
+          aten._softmax.default, aten._log_softmax.default)
+def scan_rule(call: OpCall) -> Decision:
+    """Ops along one axis whose every output depends on the whole axis: that axis is gathered, others kept."""
+    spec = call.specs[0]
+    dim = arg(call, "dim", -1)
+    dim = dim % spec.rank if spec.rank else 0
+    axes = tuple(None if i == dim else m for i, m in enumerate(spec.axes))
+    n_out = len(call.func._schema.returns)
+    return Decision((axes,), (axes,) * n_out, generic_kernel(call.func, arg_overrides={
+        arg_index(call.func, "dim"): dim + 1}), single=n_out == 1)
+
+
+@register(aten._softmax_backward_data.default, aten._log_softmax_backward_data.default)
+def softmax_backward_rule(call: OpCall) -> Decision:
+    grad, out = call.specs
+    dim = arg(call, "dim") % grad.rank
+    axes = tuple(None if i == dim else m for i, m in enumerate(grad.axes))
+    return Decision((axes, axes), (axes,), generic_kernel(call.func, arg_overrides={2: dim + 1}))

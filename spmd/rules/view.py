@@ -1,0 +1,204 @@
+"""View and shape ops: reshape, permute, squeeze/unsqueeze, expand, slicing, cat, split, unbind.
+
+Why the rules hold: these ops move elements without combining them, so a sharded axis survives whenever its
+blocks map onto contiguous blocks of one output axis (permute, unsqueeze, expand of other axes, a reshape
+whose segment starts with the sharded axis). Otherwise the axis is gathered first: the answer never depends
+on the layout.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from spmd.rules import register
+from spmd.rules.common import Decision, OpCall, generic_kernel, norm_dim, unsupported
+from spmd.rules.reduction import arg
+
+aten = torch.ops.aten
+
+
+def _segments(a: tuple, b: tuple) -> list[tuple[range, range]]:
+    """Splits shapes `a` and `b` (same numel) into runs of axes with equal products."""
+    i = j = 0
+    segs = []
+    while i < len(a) or j < len(b):
+        i0, j0, pa, pb = i, j, 1, 1
+        if i < len(a):
+            pa, i = a[i], i + 1
+        if j < len(b):
+            pb, j = b[j], j + 1
+        while pa != pb:
+            if pa < pb and i < len(a):
+                pa, i = pa * a[i], i + 1
+            elif j < len(b):
+                pb, j = pb * b[j], j + 1
+            else:
+                pa, i = pa * a[i], i + 1
+        segs.append((range(i0, i), range(j0, j)))
+    return segs
+
+
+def reshape_axes(in_shape: tuple, in_axes: tuple, out_shape: tuple, mesh) -> tuple[tuple, tuple]:
+    """(required input axes, output axes) for reshaping `in_shape` to `out_shape`."""
+    if math.prod(in_shape) == 0:
+        return (None,) * len(in_shape), (None,) * len(out_shape)
+    need, out = list(in_axes), [None] * len(out_shape)
+    for ins, outs in _segments(tuple(in_shape), tuple(out_shape)):
+        lead_in = next((i for i in ins if in_shape[i] > 1), None)
+        lead_out = next((j for j in outs if out_shape[j] > 1), None)
+        for i in ins:
+            if i != lead_in:
+                need[i] = None
+        m = None if lead_in is None else need[lead_in]
+        if m is not None:
+            if lead_out is not None and out_shape[lead_out] % mesh.dim_size(m) == 0:
+                out[lead_out] = m
+            else:
+                need[lead_in] = None
+    return tuple(need), tuple(out)
+
+
+def _infer_size(size, numel: int) -> tuple:
+    size = list(size)
+    if -1 in size:
+        known = math.prod(s for s in size if s != -1)
+        size[size.index(-1)] = numel // known if known else 0
+    return tuple(size)
+
+
+@register(aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten._reshape_alias.default)
+def view_rule(call: OpCall) -> Decision:
+    spec = call.specs[0]
+    out_shape = _infer_size(arg(call, "size"), math.prod(spec.shape))
+    need, out = reshape_axes(spec.shape, spec.axes, out_shape, call.mesh)
+    local = (call.num_local,) + call.local_shape(out_shape, out)
+    return Decision((need,), (out,), lambda l, a, k: l[0].reshape(local))
+
+
+@register(aten.expand.default)
+def expand_rule(call: OpCall) -> Decision:
+    spec = call.specs[0]
+    size = list(arg(call, "size"))
+    lead = len(size) - spec.rank
+    shape = [spec.shape[i - lead] if s == -1 else s for i, s in enumerate(size)]
+    need = tuple(None if spec.shape[j] != shape[j + lead] else m for j, m in enumerate(spec.axes))
+    out = (None,) * lead + need
+    local = (call.num_local,) + call.local_shape(tuple(shape), out)
+    return Decision((need,), (out,), lambda l, a, k: l[0].expand(local))
+
+
+@register(aten.permute.default)
+def permute_rule(call: OpCall) -> Decision:
+    spec = call.specs[0]
+    dims = [norm_dim(d, spec.rank) for d in arg(call, "dims")]
+    local = [0] + [d + 1 for d in dims]
+    return Decision((spec.axes,), (tuple(spec.axes[d] for d in dims),), lambda l, a, k: l[0].permute(local))
+
+
+@register(aten.transpose.int, aten.t.default)
+def transpose_rule(call: OpCall) -> Decision:
+    spec = call.specs[0]
+    if spec.rank < 2:
+        return Decision((spec.axes,), (spec.axes,), lambda l, a, k: l[0])
+    d0, d1 = (0, 1) if call.func is aten.t.default else (norm_dim(arg(call, "dim0"), spec.rank),
+                                                         norm_dim(arg(call, "dim1"), spec.rank))
+    axes = list(spec.axes)
+    axes[d0], axes[d1] = axes[d1], axes[d0]
+    return Decision((spec.axes,), (tuple(axes),), lambda l, a, k: l[0].transpose(d0 + 1, d1 + 1))
+
+
+@register(aten.unsqueeze.default)
+def unsqueeze_rule(call: OpCall) -> Decision:
+    spec = call.specs[0]
+    dim = norm_dim(arg(call, "dim"), spec.rank + 1)
+    out = spec.axes[:dim] + (None,) + spec.axes[dim:]
+    return Decision((spec.axes,), (out,), lambda l, a, k: l[0].unsqueeze(dim + 1))
+
+
+@register(aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims)
+def squeeze_rule(call: OpCall) -> Decision:
+    spec = call.specs[0]
+    dims = arg(call, "dim")
+    dims = range(spec.rank) if dims is None else ([dims] if isinstance(dims, int) else dims)
+    # squeeze by the global shape: a sharded axis can have local size 1 without being squeezable
+    drop = tuple(sorted({norm_dim(d, spec.rank) for d in dims if spec.rank and spec.shape[norm_dim(d, spec.rank)]
+                         == 1}))
+    out = tuple(m for i, m in enumerate(spec.axes) if i not in drop)
+    local = tuple(d + 1 for d in drop)
+    return Decision((spec.axes,), (out,), lambda l, a, k: l[0].squeeze(local) if local else l[0])
+
+
+@register(aten.slice.Tensor)
+def slice_rule(call: OpCall) -> Decision:
+    spec = call.specs[0]
+    dim = norm_dim(arg(call, "dim", 0), spec.rank)
+    start, end, step = arg(call, "start"), arg(call, "end"), arg(call, "step", 1) or 1
+    size = spec.shape[dim]
+    full = step == 1 and (start in (None, 0) or start <= -size) and (end is None or end >= size)
+    axes = spec.axes if full else tuple(None if i == dim else m for i, m in enumerate(spec.axes))
+    return Decision((axes,), (axes,), lambda l, a, k: aten.slice.Tensor(l[0], dim + 1, start, end, step))
+
+
+@register(aten.select.int)
+def select_rule(call: OpCall) -> Decision:
+    spec = call.specs[0]
+    dim, index = norm_dim(arg(call, "dim"), spec.rank), arg(call, "index")
+    axes = tuple(None if i == dim else m for i, m in enumerate(spec.axes))
+    return Decision((axes,), (axes[:dim] + axes[dim + 1:],), lambda l, a, k: l[0].select(dim + 1, index))
+
+
+@register(aten.cat.default)
+def cat_rule(call: OpCall) -> Decision:
+    specs = call.specs
+    if any(s.shape == (0,) and s.rank != specs[0].rank for s in specs):
+        raise unsupported(call, "legacy empty tensors in cat")
+    r = specs[0].rank
+    dim = norm_dim(arg(call, "dim", 0), r)
+    out, owners = [None] * r, {}
+    for s in specs:
+        for i, m in enumerate(s.axes):
+            if i != dim and m is not None:
+                owners.setdefault(m, set()).add(i)
+                if out[i] is None:
+                    out[i] = m
+    out = tuple(None if m is not None and len(owners[m]) > 1 else m for m in out)
+    return Decision((out,) * len(specs), (out,), lambda l, a, k: torch.cat(l, dim + 1))
+
+
+@register(aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int)
+def split_rule(call: OpCall) -> Decision:
+    spec = call.specs[0]
+    dim = norm_dim(arg(call, "dim", 0), spec.rank)
+    axes = tuple(None if i == dim else m for i, m in enumerate(spec.axes))
+    size = spec.shape[dim]
+    if call.func is aten.unbind.int:
+        n, out = size, axes[:dim] + axes[dim + 1:]
+    elif call.func is aten.split.Tensor:
+        split = arg(call, "split_size")
+        n, out = max(1, -(-size // split)) if split else 1, axes
+    else:
+        n, out = len(arg(call, "split_sizes")), axes
+    kernel = generic_kernel(call.func, arg_overrides={2 if call.func is not aten.unbind.int else 1: dim + 1})
+    return Decision((axes,), (out,) * n, lambda l, a, k: tuple(kernel(l, a, k)), single=False)
+
+
+@register(aten.tril.default, aten.triu.default)
+def triangle_rule(call: OpCall) -> Decision:
+    spec = call.specs[0]
+    axes = spec.axes[:-2] + (None, None)
+    return Decision((axes,), (axes,), generic_kernel(call.func))
+
+
+@register(aten.new_zeros.default, aten.new_ones.default, aten.new_empty.default, aten.new_full.default,
+          aten.new_empty_strided.default)
+def new_factory_rule(call: OpCall) -> Decision:
+    """`x.new_zeros(size)` and friends: a replicated tensor of the given global size on x's mesh."""
+    size = tuple(arg(call, "size"))
+    local = (call.num_local,) + size
+    if call.func is aten.new_empty_strided.default:
+        kernel = lambda l, a, k: l[0].new_empty(local, dtype=k.get("dtype"))  # noqa: E731
+    else:
+        kernel = generic_kernel(call.func, arg_overrides={1: local})
+    return Decision((call.specs[0].axes,), ((None,) * len(size),), kernel)
