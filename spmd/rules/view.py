@@ -86,7 +86,8 @@ def expand_rule(call: OpCall) -> Decision:
     need = tuple(None if spec.shape[j] != shape[j + lead] else m for j, m in enumerate(spec.axes))
     out = (None,) * lead + need
     local = (call.num_local,) + call.local_shape(tuple(shape), out)
-    return Decision((need,), (out,), lambda l, a, k: l[0].expand(local))
+    aligned = (call.num_local,) + (1,) * lead + call.local_shape(spec, need)  # new leading axes after the stack
+    return Decision((need,), (out,), lambda l, a, k: l[0].view(aligned).expand(local))
 
 
 @register(aten.permute.default)
