@@ -46,7 +46,7 @@ class _Relayout(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor: DTensor, layout: Layout):
         ctx.source = tensor._layout
-        steps = redistribute.plan(tensor._layout.axes, layout.axes)
+        steps = redistribute.plan_on(layout.mesh, tensor._layout.axes, layout.axes)
         return make(redistribute.run(tensor._local, layout.mesh, steps), layout)
 
     @staticmethod
@@ -62,7 +62,8 @@ class _CopyToMesh(torch.autograd.Function):
         mesh = layout.mesh
         value = tensor.detach().to(mesh.torch_device)
         replicated = value.unsqueeze(0).expand((mesh.num_local_devices(),) + tuple(value.shape))
-        local = redistribute.run(replicated, mesh, redistribute.plan((None,) * layout.rank, layout.axes))
+        steps = redistribute.plan_on(mesh, (None,) * layout.rank, layout.axes)
+        local = redistribute.run(replicated, mesh, steps)
         if local.untyped_storage().data_ptr() == value.untyped_storage().data_ptr() or local.stride(0) == 0:
             local = local.contiguous() if local.stride(0) == 0 else local.clone()
         ctx.device = tensor.device

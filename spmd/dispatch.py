@@ -17,7 +17,7 @@ from spmd.rules import lookup
 from spmd.rules.common import OpCall, TensorSpec
 
 _CACHE: dict = {}
-_STATS = {"hits": 0, "misses": 0}
+_STATS = {"misses": 0}
 
 
 class _Plan:
@@ -32,7 +32,7 @@ class _Plan:
 
 
 def cache_stats() -> dict:
-    """Hits and misses of the sharding-decision cache (for benchmarks and tests)."""
+    """Misses of the sharding-decision cache and its size (for benchmarks and tests)."""
     return dict(_STATS, size=len(_CACHE))
 
 
@@ -58,29 +58,55 @@ def _sig(a, tensors):
 
 def dispatch(func, args, kwargs):
     tensors: list[DTensor] = []
-    key = (func, tuple([_sig(a, tensors) for a in args]),
-           tuple([(k, _sig(v, tensors)) for k, v in kwargs.items()]) if kwargs else ())
+    key = [func]
+    for a in args:  # the common argument kinds inline; the rest through _sig
+        if isinstance(a, DTensor):
+            tensors.append(a)
+            key.append((a._layout, a.shape, a.dtype))
+        elif type(a) is float:
+            key.append(float)
+        else:
+            key.append(_sig(a, tensors))
+    if kwargs:
+        key.append(tuple([(k, _sig(v, tensors)) for k, v in kwargs.items()]))
+    key = tuple(key)
     plan = _CACHE.get(key)
     if plan is None:
         _STATS["misses"] += 1
         plan = _CACHE[key] = _make_plan(func, args, kwargs, tensors)
-    else:
-        _STATS["hits"] += 1
     return _execute(plan, args, kwargs, tensors)
 
 
+def _torch_dispatch(cls, func, types, args=(), kwargs=None):
+    return dispatch(func, args, kwargs or {})
+
+
+DTensor.__torch_dispatch__ = classmethod(_torch_dispatch)
+
+
 def _execute(plan: _Plan, args, kwargs, tensors):
-    decision, mesh = plan.decision, plan.mesh
-    locals_ = [t._local for t in tensors]
-    for i, steps in plan.in_steps:
-        locals_[i] = redistribute.run(locals_[i], mesh, steps)
+    decision = plan.decision
+    if plan.in_steps:
+        locals_ = [t._local for t in tensors]
+        for i, steps in plan.in_steps:
+            locals_[i] = redistribute.run(locals_[i], plan.mesh, steps)
+    else:
+        locals_ = [t._local for t in tensors]
     out = decision.kernel(locals_, args, kwargs)
     if decision.inplace:
         return tensors[0]
+    if decision.single and plan.out_steps is None and decision.epilogue is None:
+        shapes = decision.out_shapes
+        layout = plan.out_layouts[0]
+        if layout is None:
+            return out
+        if shapes is None:
+            shapes = decision.out_shapes = [layout.global_shape_from_local_shape(out.shape[1:])]
+        return DTensor(out, layout, shapes[0])
     if decision.single:
         out = (out,)
     if plan.out_steps:
-        out = [redistribute.run(o, mesh, s) if s else o for o, s in zip(out, plan.out_steps)]
+        out = [redistribute.run(o, plan.mesh, s) if s else o for o, s in zip(out, plan.out_steps)]
     if decision.epilogue is not None:
         out = decision.epilogue(out, locals_, args, kwargs)
     shapes = decision.out_shapes
@@ -126,12 +152,15 @@ def _plan_from_decision(decision, call, tensors) -> _Plan:
         if want is not None and want != have:
             if decision.inplace and i == 0:
                 raise UnsupportedOpError(f"{call.describe()}: in-place op would change the layout of its target")
-            in_steps.append((i, redistribute.plan(have, tuple(want))))
+            steps = redistribute.plan_on(mesh, have, tuple(want))
+            if steps:
+                in_steps.append((i, steps))
     out_layouts = [None if axes is None else Layout.from_axes(axes, mesh) for axes in decision.outputs]
     out_steps = None
     if decision.reduce and any(decision.reduce):
-        out_steps = [redistribute.plan(axes, axes, tuple(red), decision.reduce_op) if red else ()
+        out_steps = [redistribute.plan_on(mesh, axes, axes, tuple(red), decision.reduce_op) if red else ()
                      for axes, red in zip(decision.outputs, decision.reduce)]
+        out_steps = out_steps if any(out_steps) else None
     return _Plan(decision, in_steps, out_layouts, out_steps, mesh)
 
 

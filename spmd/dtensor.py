@@ -37,10 +37,7 @@ class DTensor(torch.Tensor):
         out._layout = layout
         return out
 
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        from spmd.dispatch import dispatch
-        return dispatch(func, args, kwargs or {})
+    # `__torch_dispatch__` is installed by spmd.dispatch (kept there to avoid an import cycle).
 
     # -- what a user sees ----------------------------------------------------------------------------------------
     def __repr__(self, *, tensor_contents=None) -> str:

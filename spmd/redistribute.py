@@ -70,6 +70,12 @@ def plan(src: tuple, dst: tuple, pending: tuple = (), op: str = "sum") -> tuple[
     return tuple(steps)
 
 
+@functools.lru_cache(maxsize=4096)
+def plan_on(mesh, src: tuple, dst: tuple, pending: tuple = (), op: str = "sum") -> tuple[Step, ...]:
+    """`plan` without the steps over mesh dims of size 1 (they move nothing)."""
+    return tuple(s for s in plan(src, dst, pending, op) if mesh.dim_size(s.mesh_dim) > 1)
+
+
 def _mesh_dims(cur, dst):
     seen = []
     for m in list(cur) + list(dst):

@@ -13,6 +13,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
+from spmd.dtensor import DTensor
 from spmd.errors import UnsupportedOpError
 
 Axes = tuple  # per tensor axis: a mesh dim name or None
@@ -100,9 +101,9 @@ def replace_tensors(args, kwargs, locals_):
     it = iter(locals_)
 
     def sub(a):
-        if isinstance(a, (TensorSpec, torch.Tensor)) and _is_dist(a):
+        if isinstance(a, (TensorSpec, DTensor)):
             return next(it)
-        if isinstance(a, (list, tuple)) and any(_is_dist(x) for x in a):
+        if isinstance(a, (list, tuple)) and any(isinstance(x, (TensorSpec, DTensor)) for x in a):
             return type(a)(sub(x) for x in a)
         return a
 
@@ -111,9 +112,13 @@ def replace_tensors(args, kwargs, locals_):
     return new_args, new_kwargs
 
 
-def _is_dist(a) -> bool:
-    from spmd.dtensor import DTensor
-    return isinstance(a, (TensorSpec, DTensor))
+def _positional_slots(args, kwargs):
+    """Positions of the DTensor arguments when all of them are top-level positional ones, else None."""
+    if kwargs and any(isinstance(v, (DTensor, list, tuple)) for v in kwargs.values()):
+        return None
+    if any(isinstance(a, (list, tuple)) and any(isinstance(x, DTensor) for x in a) for a in args):
+        return None
+    return tuple(i for i, a in enumerate(args) if isinstance(a, DTensor))
 
 
 def generic_kernel(func, arg_overrides: dict | None = None, kwarg_overrides: dict | None = None,
@@ -121,19 +126,29 @@ def generic_kernel(func, arg_overrides: dict | None = None, kwarg_overrides: dic
     """Calls `func` on local components: DTensors replaced in order (optionally `.view`-ed to the shapes in
     `views` to align ranks), then positional/keyword arguments overridden by static local values."""
     names = [a.name for a in func._schema.arguments]
+    op = getattr(func, "_op", func)  # the C++ callable: skips OpOverload.__call__
+    overrides = [(i, v) for i, v in (arg_overrides or {}).items()]
+    slots = []  # filled on the first call: the argument structure is fixed for one cache key
 
     def kernel(locals_, args, kwargs):
         if views is not None:
             locals_ = [x if v is None else x.view(v) for x, v in zip(locals_, views)]
-        a, kw = replace_tensors(args, kwargs, locals_)
-        if arg_overrides:
+        if not slots:
+            slots.append(_positional_slots(args, kwargs))
+        positions = slots[0]
+        if positions is None:
+            a, kw = replace_tensors(args, kwargs, locals_)
             a = list(a)
-            for i, v in arg_overrides.items():
-                if i < len(a):
-                    a[i] = v
-                else:
-                    kw = {**kw, names[i]: v}
+        else:
+            a, kw = list(args), kwargs
+            for j, i in enumerate(positions):
+                a[i] = locals_[j]
+        for i, v in overrides:
+            if i < len(a):
+                a[i] = v
+            else:
+                kw = {**kw, names[i]: v}
         if kwarg_overrides:
             kw = {**kw, **kwarg_overrides}
-        return func(*a, **kw)
+        return op(*a, **kw)
     return kernel
