@@ -57,6 +57,18 @@ def _sig(a, tensors):
 
 
 def dispatch(func, args, kwargs):
+    try:
+        return _dispatch(func, args, kwargs)
+    except MixedTensorError:
+        if func is torch.ops.aten.copy_.default and isinstance(args[0], DTensor):
+            # `dtensor.copy_(plain)` (e.g. `load_state_dict` from a plain checkpoint): distribute the value first
+            from spmd.api import copy_to_mesh
+            src = args[1].expand(args[0].shape)
+            return _dispatch(func, (args[0], copy_to_mesh(src, args[0]._layout)) + tuple(args[2:]), kwargs)
+        raise
+
+
+def _dispatch(func, args, kwargs):
     tensors: list[DTensor] = []
     key = [func]
     for a in args:  # the common argument kinds inline; the rest through _sig

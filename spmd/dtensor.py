@@ -62,12 +62,19 @@ class DTensor(torch.Tensor):
                 f"relayout it first: spmd.relayout(t, spmd.Layout.replicated(mesh, rank={self.dim()})).")
         return self._local[0].detach().cpu().numpy()
 
+    def tolist(self):
+        """The global value as (nested) Python lists; only for a fully replicated DTensor, as `numpy()`."""
+        return self.numpy().tolist()
+
     def __deepcopy__(self, memo):
         if id(self) in memo:
             return memo[id(self)]
-        copy = type(self).__new__(type(self), self._local.detach().clone(), self._layout, self.shape,
-                                  self.requires_grad)
-        copy.__dict__.update({k: v for k, v in self.__dict__.items() if k not in ("_local", "_layout")})
+        copy = DTensor.__new__(type(self), self._local.detach().clone(), self._layout, self.shape,
+                               self.requires_grad)
+        skip = ("_local", "_layout", "_grad_layout_hook")
+        copy.__dict__.update({k: v for k, v in self.__dict__.items() if k not in skip})
+        if copy.requires_grad:
+            keep_grad_layout(copy)
         memo[id(self)] = copy
         return copy
 
