@@ -51,7 +51,8 @@ class DTensor(torch.Tensor):
         return (f'DTensor({value}, layout="{layout.to_string()}", shape={tuple(self.shape)}, '
                 f"dtype={self.dtype}{grad})")
 
-    __str__ = __repr__
+    def __str__(self) -> str:
+        return self.__repr__()
 
     def numpy(self, *, force: bool = False) -> np.ndarray:
         """The global value as a numpy array; only for a fully replicated DTensor, as in TF."""
