@@ -335,9 +335,9 @@ def create_mesh(mesh_dims: Sequence[tuple[str, int]] | dict[str, int] | None = N
     if not dims:
         dims = [("x", len(devices))]
     free = [i for i, (_, size) in enumerate(dims) if size == -1]
-    if len(free) == 1:
-        known = math.prod(s for _, s in dims if s != -1)
-        dims[free[0]] = (dims[free[0]][0], len(devices) // max(known, 1))
+    known = math.prod(s for _, s in dims if s != -1)
+    if len(free) == 1 and known > 0 and len(devices) % known == 0:
+        dims[free[0]] = (dims[free[0]][0], len(devices) // known)
     shape = [size for _, size in dims]
     if len(devices) != math.prod(shape) or any(s <= 0 for s in shape):
         raise LayoutError(f"length of devices ({len(devices)}) must be equal to total size of the mesh of shape "

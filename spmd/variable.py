@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from spmd.dtensor import DTensor, keep_grad_layout
@@ -73,9 +74,10 @@ class DVariable(DTensor):
             if value.shape != self.shape:
                 raise LayoutError(f"Cannot {verb} a value of shape {list(value.shape)} to a DVariable of shape "
                                   f"{list(self.shape)}")
-        elif isinstance(value, torch.Tensor) and value.dim() > 0:
-            raise TypeError(f"cannot {verb} a plain tensor of shape {list(value.shape)} to a DVariable; only "
-                            "scalars are broadcast. Use spmd.copy_to_mesh(value, spmd.fetch_layout(variable))")
+        elif np.ndim(value) > 0:  # a plain tensor, numpy array or list
+            raise TypeError(f"cannot {verb} a plain {type(value).__name__} of shape {list(np.shape(value))} to a "
+                            "DVariable; only scalars are broadcast. Use spmd.copy_to_mesh(value, "
+                            "spmd.fetch_layout(variable))")
 
     def assign(self, value) -> "DVariable":
         """Overwrites the value in place; the layout must stay the same."""
