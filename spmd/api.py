@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import torch
 
 from spmd import redistribute
@@ -154,7 +153,7 @@ def copy_to_mesh(tensor: Any, layout: Layout, source_layout: Layout | None = Non
     if isinstance(tensor, DTensor):
         return relayout(tensor, layout)
     if not isinstance(tensor, torch.Tensor):
-        tensor = torch.as_tensor(np.asarray(tensor))
+        tensor = torch.as_tensor(tensor)  # Python floats become the default dtype, as in torch.tensor
     if tensor.dim() != layout.rank:
         raise LayoutError(f"cannot give a tensor of shape {list(tensor.shape)} (rank {tensor.dim()}) the layout "
                           f"{layout.sharding_specs} of rank {layout.rank}")

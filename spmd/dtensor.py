@@ -165,7 +165,7 @@ def pack(tensors: Sequence[Any], layout: Layout) -> DTensor:
     if len(tensors) != expected:
         raise LayoutError(f"pack expected {expected} components (one per local device of {mesh!r}), "
                           f"but got {len(tensors)}")
-    components = [t if isinstance(t, torch.Tensor) else torch.as_tensor(np.asarray(t)) for t in tensors]
+    components = [t if isinstance(t, torch.Tensor) else torch.as_tensor(t) for t in tensors]
     first = components[0]
     for i, c in enumerate(components):
         if c.dim() != layout.rank:
