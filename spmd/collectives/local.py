@@ -36,7 +36,7 @@ class InProcessCollectives(Collectives):
             return x
         grid = _grid(x, mesh)
         reduced = _reduce(grid, tuple(mesh.axis_index(d) for d in mesh_dims), op)
-        return reduced.expand(grid.shape).reshape(x.shape)
+        return reduced.expand(grid.shape).contiguous().view(x.shape)  # own memory per device
 
     def _merge(self, grid, nm, d, axis):
         # (*mesh, *local) -> (*mesh without d, *local with `axis` concatenated over d)
@@ -57,7 +57,7 @@ class InProcessCollectives(Collectives):
         full = self._merge(grid, nm, d, axis).unsqueeze(d)
         shape = list(full.shape)
         shape[d] = grid.shape[d]
-        return full.expand(shape).reshape((x.shape[0],) + tuple(shape[nm:]))
+        return full.expand(shape).contiguous().view((x.shape[0],) + tuple(shape[nm:]))
 
     def shard(self, x, mesh, mesh_dim, axis):
         grid, nm, d = _grid(x, mesh), len(mesh.shape()), mesh.axis_index(mesh_dim)
@@ -66,13 +66,13 @@ class InProcessCollectives(Collectives):
         shape[nm + axis: nm + axis + 1] = [k, shape[nm + axis] // k]
         # device at coordinate c along d keeps block c: the diagonal of (mesh axis d, block axis)
         mine = torch.diagonal(grid.reshape(shape), dim1=d, dim2=nm + axis).movedim(-1, d)
-        return mine.reshape((x.shape[0],) + tuple(mine.shape[nm:]))
+        return mine.contiguous().view((x.shape[0],) + tuple(mine.shape[nm:]))  # never aliases the input
 
     def all_to_all(self, x, mesh, mesh_dim, gather_axis, shard_axis):
         grid, nm, d = _grid(x, mesh), len(mesh.shape()), mesh.axis_index(mesh_dim)
         full = self._merge(grid, nm, d, gather_axis)
         out = self._split(full, nm, d, shard_axis, grid.shape[d])
-        return out.reshape((x.shape[0],) + tuple(out.shape[nm:]))
+        return out.contiguous().view((x.shape[0],) + tuple(out.shape[nm:]))
 
     def reduce_scatter(self, x, mesh, mesh_dim, axis, op="sum"):
         grid, nm, d = _grid(x, mesh), len(mesh.shape()), mesh.axis_index(mesh_dim)
