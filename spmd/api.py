@@ -62,9 +62,9 @@ class _CopyToMesh(torch.autograd.Function):
         value = tensor.detach().to(mesh.torch_device)
         replicated = value.unsqueeze(0).expand((mesh.num_local_devices(),) + tuple(value.shape))
         steps = redistribute.plan_on(mesh, (None,) * layout.rank, layout.axes)
-        local = redistribute.run(replicated, mesh, steps)
-        if local.untyped_storage().data_ptr() == value.untyped_storage().data_ptr() or local.stride(0) == 0:
-            local = local.contiguous() if local.stride(0) == 0 else local.clone()
+        # collectives return fresh memory; without steps, copy so the DTensor never aliases `tensor`
+        local = redistribute.run(replicated, mesh, steps) if steps else replicated.clone(
+            memory_format=torch.contiguous_format)
         ctx.device = tensor.device
         return make(local, layout)
 
