@@ -21,10 +21,12 @@ _STATS = {"misses": 0}
 
 
 class _Plan:
-    __slots__ = ("decision", "in_steps", "out_layouts", "out_steps", "mesh")
+    __slots__ = ("decision", "in_steps", "out_layouts", "out_steps", "mesh", "copied_view")
 
-    def __init__(self, decision, in_steps, out_layouts, out_steps, mesh):
+    def __init__(self, decision, in_steps, out_layouts, out_steps, mesh, copied_view=False):
         self.decision = decision
+        # a view op whose input had to be relayouted: its outputs do not share memory with the input
+        self.copied_view = copied_view
         self.in_steps = in_steps  # [(input index, steps)] for the inputs that must be relayouted
         self.out_layouts = out_layouts
         self.out_steps = out_steps  # per output: the steps resolving its pending reduction
@@ -98,15 +100,33 @@ DTensor.__torch_dispatch__ = classmethod(_torch_dispatch)
 
 def _execute(plan: _Plan, args, kwargs, tensors):
     decision = plan.decision
-    if plan.in_steps:
-        locals_ = [t._local for t in tensors]
-        for i, steps in plan.in_steps:
-            locals_[i] = redistribute.run(locals_[i], plan.mesh, steps)
-    else:
-        locals_ = [t._local for t in tensors]
+    locals_ = [t._local for t in tensors]
+    for i, steps in plan.in_steps:
+        locals_[i] = redistribute.run(locals_[i], plan.mesh, steps)
+    if decision.inplace and tensors[0]._copied_view:
+        target = tensors[0]
+        raise UnsupportedOpError(
+            f"in-place op on a view (shape {list(target.shape)}, layout {target._layout.sharding_specs}) that could "
+            "not share memory with its base because the base's layout had to change when the view was taken; the "
+            "update would not reach the base. Call .clone() on the view first, or relayout the base so the view "
+            "needs no relayout")
     out = decision.kernel(locals_, args, kwargs)
     if decision.inplace:
         return tensors[0]
+    if plan.copied_view:
+        return _mark_copied(_wrap(plan, out, locals_, args, kwargs))
+    return _wrap(plan, out, locals_, args, kwargs)
+
+
+def _mark_copied(out):
+    for t in (out if isinstance(out, tuple) else (out,)):
+        if isinstance(t, DTensor):
+            t._copied_view = True
+    return out
+
+
+def _wrap(plan: _Plan, out, locals_, args, kwargs):
+    decision = plan.decision
     if decision.single and plan.out_steps is None and decision.epilogue is None:
         shapes = decision.out_shapes
         layout = plan.out_layouts[0]
@@ -173,7 +193,8 @@ def _plan_from_decision(decision, call, tensors) -> _Plan:
         out_steps = [redistribute.plan_on(mesh, axes, axes, tuple(red), decision.reduce_op) if red else ()
                      for axes, red in zip(decision.outputs, decision.reduce)]
         out_steps = out_steps if any(out_steps) else None
-    return _Plan(decision, in_steps, out_layouts, out_steps, mesh)
+    is_view = any(r.alias_info is not None for r in call.func._schema.returns)
+    return _Plan(decision, in_steps, out_layouts, out_steps, mesh, copied_view=is_view and bool(in_steps))
 
 
 _WARNED: set = set()

@@ -25,6 +25,7 @@ class DTensor(torch.Tensor):
 
     _local: torch.Tensor
     _layout: Layout
+    _copied_view = False  # set on outputs of view ops that had to relayout (see dispatch)
 
     # Ops reach `__torch_dispatch__` directly: no Python-level `__torch_function__` on the hot path.
     __torch_function__ = torch._C._disabled_torch_function_impl
