@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from spmd.rules import register
+from spmd.rules import _RULES, register
 from spmd.rules.common import Decision, OpCall, generic_kernel, norm_dim, unsupported
 from spmd.rules.reduction import arg
 
@@ -150,22 +150,37 @@ def select_rule(call: OpCall) -> Decision:
     return Decision((axes,), (axes[:dim] + axes[dim + 1:],), lambda l, a, k: l[0].select(dim + 1, index))
 
 
+def _merged(specs, skip: int | None = None) -> tuple:
+    """Per axis the first operand's sharding (axis `skip` unsharded); a mesh dim on two axes shards neither."""
+    r = specs[0].rank
+    out, owners = [None] * r, {}
+    for s in specs:
+        for i, m in enumerate(s.axes):
+            if i != skip and m is not None:
+                owners.setdefault(m, set()).add(i)
+                if out[i] is None:
+                    out[i] = m
+    return tuple(None if m is not None and len(owners[m]) > 1 else m for m in out)
+
+
 @register(aten.cat.default)
 def cat_rule(call: OpCall) -> Decision:
     specs = call.specs
     if any(s.shape == (0,) and s.rank != specs[0].rank for s in specs):
         raise unsupported(call, "legacy empty tensors in cat")
-    r = specs[0].rank
-    dim = norm_dim(arg(call, "dim", 0), r)
-    out, owners = [None] * r, {}
-    for s in specs:
-        for i, m in enumerate(s.axes):
-            if i != dim and m is not None:
-                owners.setdefault(m, set()).add(i)
-                if out[i] is None:
-                    out[i] = m
-    out = tuple(None if m is not None and len(owners[m]) > 1 else m for m in out)
+    dim = norm_dim(arg(call, "dim", 0), specs[0].rank)
+    out = _merged(specs, skip=dim)
     return Decision((out,) * len(specs), (out,), lambda l, a, k: torch.cat(l, dim + 1))
+
+
+@register(aten.stack.default)
+def stack_rule(call: OpCall) -> Decision:
+    """Operands of one shape, sharded alike, stack piecewise; the new axis is unsharded."""
+    specs = call.specs
+    dim = norm_dim(arg(call, "dim", 0), specs[0].rank + 1)
+    axes = _merged(specs)
+    return Decision((axes,) * len(specs), (axes[:dim] + (None,) + axes[dim:],),
+                    lambda l, a, k: torch.stack(l, dim + 1))
 
 
 @register(aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int)
@@ -185,6 +200,45 @@ def split_rule(call: OpCall) -> Decision:
     return Decision((axes,), (out,) * n, lambda l, a, k: tuple(kernel(l, a, k)), single=False)
 
 
+@register(aten.slice_backward.default)
+def slice_backward_rule(call: OpCall) -> Decision:
+    """Zeros with the slice's gradient placed in: the sliced axis is whole on each device (unless the slice was
+    the whole axis), other axes keep the gradient's sharding."""
+    grad = call.specs[0]
+    sizes, dim = tuple(arg(call, "input_sizes")), norm_dim(arg(call, "dim"), grad.rank)
+    start, end, step = arg(call, "start"), arg(call, "end"), arg(call, "step")
+    axes = grad.axes if grad.shape[dim] == sizes[dim] else tuple(None if i == dim else m
+                                                                 for i, m in enumerate(grad.axes))
+    local = (call.num_local,) + call.local_shape(sizes, axes)
+    if grad.shape[dim] == sizes[dim]:
+        return Decision((axes,), (axes,), lambda l, a, k: l[0].clone())
+    return Decision((axes,), (axes,), lambda l, a, k: aten.slice_backward.default(l[0], local, dim + 1, start,
+                                                                                     end, step))
+
+
+@register(aten.select_backward.default)
+def select_backward_rule(call: OpCall) -> Decision:
+    """Zeros with the selected slice's gradient placed in: the new axis is unsharded, others keep their sharding."""
+    grad = call.specs[0]
+    sizes = tuple(arg(call, "input_sizes"))
+    dim, index = norm_dim(arg(call, "dim"), len(sizes)), arg(call, "index")
+    out = grad.axes[:dim] + (None,) + grad.axes[dim:]
+    local = (call.num_local,) + call.local_shape(sizes, out)
+    return Decision((grad.axes,), (out,), lambda l, a, k: aten.select_backward.default(l[0], local, dim + 1, index))
+
+
+@register(aten.gather.default, aten.scatter.src, aten.scatter.value, aten.scatter_add.default)
+def indexed_rule(call: OpCall) -> Decision:
+    """gather/scatter along `dim`: indices address the whole axis, so it is unsharded; another axis may stay
+    sharded where every operand has the same size on it (element i of it only meets element i)."""
+    specs = call.specs
+    dim = norm_dim(arg(call, "dim"), specs[0].rank)
+    same = [i for i in range(specs[0].rank) if i != dim and len({s.shape[i] for s in specs}) == 1]
+    merged = _merged(specs, skip=dim)
+    axes = tuple(m if i in same else None for i, m in enumerate(merged))
+    return Decision((axes,) * len(specs), (axes,), generic_kernel(call.func, arg_overrides={1: dim + 1}))
+
+
 @register(aten.tril.default, aten.triu.default)
 def triangle_rule(call: OpCall) -> Decision:
     spec = call.specs[0]
@@ -195,11 +249,39 @@ def triangle_rule(call: OpCall) -> Decision:
 @register(aten.new_zeros.default, aten.new_ones.default, aten.new_empty.default, aten.new_full.default,
           aten.new_empty_strided.default)
 def new_factory_rule(call: OpCall) -> Decision:
-    """`x.new_zeros(size)` and friends: a replicated tensor of the given global size on x's mesh."""
+    """`x.new_zeros(size)` and friends: a tensor of the given global size on x's mesh, with x's layout when it
+    has x's shape (autograd builds a leaf's `.grad` with `grad.new_empty_strided(...).copy_(grad)`), else
+    replicated."""
+    spec = call.specs[0]
     size = tuple(arg(call, "size"))
-    local = (call.num_local,) + size
+    out = spec.axes if size == spec.shape else (None,) * len(size)
+    local = (call.num_local,) + call.local_shape(size, out)
     if call.func is aten.new_empty_strided.default:
         kernel = lambda l, a, k: l[0].new_empty(local, dtype=k.get("dtype"))  # noqa: E731
     else:
         kernel = generic_kernel(call.func, arg_overrides={1: local})
-    return Decision((call.specs[0].axes,), ((None,) * len(size),), kernel)
+    return Decision((spec.axes,), (out,), kernel)
+
+
+@register(aten.squeeze_.default, aten.squeeze_.dim, aten.squeeze_.dims, aten.unsqueeze_.default,
+          aten.transpose_.default, aten.t_.default)
+def inplace_view_rule(call: OpCall) -> Decision:
+    """`squeeze_` and friends (torch.matmul of a 1-D operand uses them): the out-of-place rule on the components,
+    then the DTensor itself takes the new components, layout and global shape (an in-place view op returns self)."""
+    from dataclasses import replace
+
+    from torch.utils._mode_utils import no_dispatch
+
+    from spmd.layout import Layout
+    name = call.func._schema.name.split("::")[-1][:-1]
+    functional = getattr(getattr(aten, name), call.func._overloadname)
+    decision = _RULES[functional](replace(call, func=functional))
+    layout, inner = Layout.from_axes(decision.outputs[0], call.mesh), decision.kernel
+
+    def kernel(l, a, k):
+        target = a[0]
+        target._local, target._layout = inner(l, a, k), layout
+        with no_dispatch():  # the wrapper's sizes and strides follow the op
+            call.func(*a, **k)
+        return target
+    return Decision(decision.inputs, decision.outputs, kernel, inplace=True)
