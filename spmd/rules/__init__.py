@@ -27,10 +27,18 @@ def register(*ops):
 def lookup(func):
     """The rule for `func`, or None (the dispatcher then tries a replicated fallback or raises)."""
     rule = _RULES.get(func)
-    if rule is None and torch.Tag.pointwise in func.tags:
+    if rule is None and (torch.Tag.pointwise in func.tags or _pointwise_inplace(func)):
         from spmd.rules.pointwise import pointwise_rule
         rule = _RULES[func] = pointwise_rule
     return rule
+
+
+def _pointwise_inplace(func) -> bool:
+    """`masked_fill_.Scalar` and others are not tagged pointwise, but their out-of-place overload is."""
+    name = func._schema.name.split("::")[-1]
+    packet = getattr(torch.ops.aten, name[:-1], None) if name.endswith("_") else None
+    functional = getattr(packet, func._overloadname, None) if packet is not None else None
+    return functional is not None and torch.Tag.pointwise in functional.tags
 
 
 def registered_ops() -> list:

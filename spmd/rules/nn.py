@@ -50,12 +50,17 @@ def layer_norm_backward_rule(call: OpCall) -> Decision:
         g, xl, mean, rstd = l[:4]
         w = l[4][0] if has_w else None
         gx = aten.native_layer_norm_backward.default(g, xl, normalized, mean, rstd, w, None,
-                                                     [mask[0], False, False])[0]
+                                                     [True, False, False])[0] if mask[0] else None
         lead = tuple(range(1, g.dim() - n))  # per device: sum over the local leading axes, not the stack axis
-        gw = (g * ((xl - mean) * rstd)).sum(lead) if mask[1] and has_w else None
-        gb = g.sum(lead) if mask[2] and has_b else None
+        per_w = (lambda t: t.sum(lead) if lead else t)  # noqa: E731 (sum(()) would reduce every axis)
+        gw = per_w(g * ((xl - mean) * rstd)) if mask[1] and has_w else None
+        gb = per_w(g) if mask[2] and has_b else None
         return gx, gw, gb
-    return Decision(tuple(inputs), (axes, params, params), kernel, reduce=((), reduced, reduced), single=False)
+    # outputs the mask does not ask for (or without weight/bias) are None
+    wanted = (mask[0], mask[1] and has_w, mask[2] and has_b)
+    outputs = tuple(ax if want else None for ax, want in zip((axes, params, params), wanted))
+    reduce = tuple(reduced if want and i else () for i, want in enumerate(wanted))
+    return Decision(tuple(inputs), outputs, kernel, reduce=reduce, single=False)
 
 
 @register(aten.embedding.default)

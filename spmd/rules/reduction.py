@@ -53,9 +53,12 @@ def _dims_kernel(call: OpCall, dims: tuple, r: int):
     names = [a.name for a in func._schema.arguments]
     local_dims = [d + 1 for d in dims]
     if "dim" in names:
-        dim_type = str(func._schema.arguments[names.index("dim")].type)
-        value = local_dims[0] if dim_type in ("int", "int?") else local_dims
-        if dim_type in ("int", "int?") and len(dims) != 1:
+        dim_type = func._schema.arguments[names.index("dim")].type
+        if isinstance(dim_type, torch.OptionalType):
+            dim_type = dim_type.getElementType()
+        scalar = isinstance(dim_type, torch.IntType)  # `int dim` / `int? dim` rather than `int[]? dim`
+        value = local_dims[0] if scalar else local_dims
+        if scalar and len(dims) != 1:
             return _full_kernel(call, r)
         return generic_kernel(func, arg_overrides={names.index("dim"): value})
     return _full_kernel(call, r)
