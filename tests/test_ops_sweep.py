@@ -1,0 +1,354 @@
+"""Layout sweeps: every op an MLP/transformer training step needs, forward and backward, gives the plain-torch
+answer for every combination of input layouts on a 2x2 mesh (see `sweep.check_op`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import spmd
+from sweep import MESH, Const, Plain, all_layouts, check_op, distribute, gather, rand
+
+slow = pytest.mark.slow
+i64 = torch.int64
+
+
+def _targets(n, classes, ignore=None, seed=0):
+    t = torch.randint(0, classes, (n,), generator=torch.Generator().manual_seed(seed))
+    if ignore is not None:
+        t[::3] = ignore
+    return t
+
+
+def _ids(shape, vocab, seed=0):
+    return torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(seed))
+
+
+# name -> (fn, inputs) or pytest.param((fn, inputs), marks=...). Shapes divide by 2 where a sweep should shard.
+CASES = {
+    # -- pointwise: unary, binary, broadcasting, scalars ------------------------------------------------------------
+    "neg": (torch.neg, [rand(4, 2, 4)]),
+    "exp": (torch.exp, [rand(4, 2, 4)]),
+    "tanh": (torch.tanh, [rand(4, 2, 4)]),
+    "sigmoid": (torch.sigmoid, [rand(4, 2, 4)]),
+    "relu": (torch.relu, [rand(4, 2, 4)]),
+    "F.relu": (F.relu, [rand(4, 4)]),
+    "gelu": (F.gelu, [rand(4, 2, 4)]),
+    "gelu_tanh": (lambda x: F.gelu(x, approximate="tanh"), [rand(4, 4)]),
+    "silu": (F.silu, [rand(4, 2, 4)]),
+    "rsqrt_abs": (lambda x: torch.rsqrt(x.abs() + 1), [rand(4, 4)]),
+    "pow_scalar": (lambda x: x ** 2, [rand(4, 4)]),
+    "rank4_unary": (torch.sin, [rand(2, 2, 2, 4)]),
+    "add": (torch.add, [rand(4, 4), rand(4, 4, seed=1)]),
+    "sub_alpha": (lambda a, b: torch.sub(a, b, alpha=0.5), [rand(4, 4), rand(4, 4, seed=1)]),
+    "mul": (torch.mul, [rand(4, 4), rand(4, 4, seed=1)]),
+    "div": (torch.div, [rand(4, 4), rand(4, 4, seed=1).abs() + 1]),
+    "maximum": (torch.maximum, [rand(4, 4), rand(4, 4, seed=1)]),
+    "add_rank3": (torch.add, [rand(4, 4, 4), rand(4, 4, 4, seed=1)]),
+    "bcast_row": (torch.add, [rand(4, 4), rand(1, 4, seed=1)]),
+    "bcast_col": (torch.mul, [rand(4, 4), rand(4, 1, seed=1)]),
+    "bcast_rank_mismatch": (torch.mul, [rand(4, 2, 4), rand(4, seed=1)]),
+    "bcast_rank_mismatch_lhs": (torch.sub, [rand(4), rand(4, 2, 4, seed=1)]),
+    "bcast_rank_mismatch_2d": (torch.add, [rand(2, 4, 4), rand(4, 4, seed=1)]),
+    "bcast_both_size1": (torch.add, [rand(4, 1, 4), rand(4, 2, 1, seed=1)]),
+    "bcast_outer": (torch.mul, [rand(4, 1), rand(1, 4, seed=1)]),
+    "scalar_mul": (lambda x: x * 2.5, [rand(4, 4)]),
+    "scalar_rsub": (lambda x: 2 - x, [rand(4, 4)]),
+    "scalar_div": (lambda x: x / 3, [rand(4, 4)]),
+    "scalar_int_add": (lambda x: x + 1, [rand(4, 4)]),
+    "plain_0d_tensor": (lambda x, s: x * s + s, [rand(4, 4), Plain(torch.tensor(1.5, dtype=torch.float64))]),
+    "dtensor_0d": (torch.mul, [rand(4, 4), rand()]),
+    "dtensor_0d_lhs": (torch.sub, [rand(), rand(4, 4)]),
+    "where": (lambda c, a, b: torch.where(c > 0, a, b), [rand(4, 4, seed=2), rand(4, 4), rand(4, 4, seed=1)]),
+    "where_scalar": (lambda c, a: torch.where(c > 0, a, 0.0), [rand(4, 4, seed=2), rand(4, 4)]),
+    "where_bcast": (lambda c, a, b: torch.where(c > 0, a, b), [rand(4, 1, seed=2), rand(4, 4), rand(4, seed=1)]),
+    "masked_fill": (lambda x, m: x.masked_fill(m > 0, -1e9), [rand(4, 4), rand(4, 4, seed=3)]),
+    "masked_fill_bcast": (lambda x, m: x.masked_fill(m > 0, float("-inf")).softmax(-1),
+                          [rand(2, 4, 4), rand(4, 4, seed=3)]),
+    "compare": (lambda a, b: (a > b, a == b, a <= 0.5), [rand(4, 4), rand(4, 4, seed=1)]),
+    "logical": (lambda a, b: (a > 0) & (b < 0) | ~(a > 1), [rand(4, 4), rand(4, 4, seed=1)]),
+    # -- contractions ------------------------------------------------------------------------------------------------
+    "mm": (torch.mm, [rand(4, 4), rand(4, 4, seed=1)]),
+    "mm_rect": (torch.mm, [rand(2, 4), rand(4, 8, seed=1)]),
+    "bmm": (torch.bmm, [rand(2, 4, 4), rand(2, 4, 2, seed=1)]),
+    "addmm_vec_bias": (torch.addmm, [rand(4), rand(4, 4, seed=1), rand(4, 4, seed=2)]),
+    "addmm_mat_bias": (lambda c, a, b: torch.addmm(c, a, b, beta=0.5, alpha=2.0),
+                       [rand(4, 4), rand(4, 4, seed=1), rand(4, 4, seed=2)]),
+    "linear_bias": (F.linear, [rand(4, 4), rand(8, 4, seed=1), rand(8, seed=2)]),
+    "linear_nobias": (F.linear, [rand(4, 4), rand(8, 4, seed=1)]),
+    "linear_3d_bias": pytest.param((F.linear, [rand(2, 4, 4), rand(4, 4, seed=1), rand(4, seed=2)]), marks=slow),
+    "linear_3d_nobias": (F.linear, [rand(2, 4, 4), rand(4, 4, seed=1)]),
+    "matmul_1d_1d": (torch.matmul, [rand(4), rand(4, seed=1)]),
+    "matmul_1d_2d": (torch.matmul, [rand(4), rand(4, 4, seed=1)]),
+    "matmul_2d_1d": (torch.matmul, [rand(4, 4), rand(4, seed=1)]),
+    "matmul_2d_2d": (torch.matmul, [rand(4, 4), rand(4, 2, seed=1)]),
+    "matmul_3d_3d": (torch.matmul, [rand(2, 4, 4), rand(2, 4, 2, seed=1)]),
+    "matmul_3d_2d": (torch.matmul, [rand(2, 4, 4), rand(4, 2, seed=1)]),
+    "matmul_2d_3d": (torch.matmul, [rand(4, 4), rand(2, 4, 2, seed=1)]),
+    "matmul_3d_1d": (torch.matmul, [rand(2, 4, 4), rand(4, seed=1)]),
+    "matmul_4d_4d": pytest.param((torch.matmul, [rand(2, 2, 4, 4), rand(2, 2, 4, 2, seed=1)]), marks=slow),
+    "matmul_4d_2d": (torch.matmul, [rand(2, 2, 4, 4), rand(4, 2, seed=1)]),
+    "einsum_ij_jk": (lambda a, b: torch.einsum("ij,jk->ik", a, b), [rand(4, 4), rand(4, 4, seed=1)]),
+    "einsum_bsd_dnh": pytest.param((lambda a, b: torch.einsum("bsd,dnh->bsnh", a, b),
+                                    [rand(2, 4, 4), rand(4, 2, 2, seed=1)]), marks=slow),
+    "einsum_bfi_bfd": (lambda a, b: torch.einsum("bfi,bfd->di", a, b), [rand(2, 4, 4), rand(2, 4, 2, seed=1)]),
+    "einsum_bfnh_nhd": pytest.param((lambda a, b: torch.einsum("bfnh,nhd->bfd", a, b),
+                                     [rand(2, 4, 2, 2), rand(2, 2, 4, seed=1)]), marks=slow),
+    "einsum_outer": (lambda a, b: torch.einsum("i,j->ij", a, b), [rand(4), rand(4, seed=1)]),
+    "einsum_trace_like": (lambda a: torch.einsum("ij->j", a), [rand(4, 4)]),
+    # -- reductions --------------------------------------------------------------------------------------------------
+    **{f"{op}_dim{d}_keep{int(k)}": (lambda x, op=op, d=d, k=k: getattr(torch, op)(x, dim=d, keepdim=k),
+                                     [rand(4, 2, 4)])
+       for op in ("sum", "mean", "amax", "amin", "var", "std")
+       for d in (0, 1, -1, (0, 2), (0, 1, 2))
+       for k in (False, True)},
+    "sum_all": (torch.sum, [rand(4, 2, 4)]),
+    "mean_all": (torch.mean, [rand(4, 2, 4)]),
+    "amax_all": (torch.amax, [rand(4, 2, 4)]),
+    "amin_all": (lambda x: torch.amin(x), [rand(4, 2, 4)]),
+    "max_all": (torch.max, [rand(4, 4)]),
+    "var_all": (torch.var, [rand(4, 2, 4)]),
+    "std_all": (torch.std, [rand(4, 2, 4)]),
+    "var_unbiased0": (lambda x: torch.var(x, dim=1, unbiased=False), [rand(4, 4)]),
+    "max_dim": (lambda x: torch.max(x, dim=1), [rand(4, 4)]),
+    "sum_dtype": (lambda x: x.sum(-1, dtype=torch.float32), [rand(4, 4)]),
+    "sum_dim_none_keep": (lambda x: x.sum(dim=None, keepdim=True), [rand(4, 4)]),
+    "argmax": (lambda x: x.argmax(-1), [rand(4, 4)]),
+    "norm": (lambda x: torch.linalg.vector_norm(x, dim=-1), [rand(4, 4)]),
+    # -- softmax, layer norm, embedding, losses ----------------------------------------------------------------------
+    **{f"{name}_dim{d}": (lambda x, fn=fn, d=d: fn(x, dim=d), [rand(4, 2, 4)])
+       for name, fn in (("softmax", F.softmax), ("log_softmax", F.log_softmax)) for d in (0, 1, 2)},
+    "layer_norm_affine": (lambda x, w, b: F.layer_norm(x, (4,), w, b), [rand(4, 2, 4), rand(4, seed=1),
+                                                                       rand(4, seed=2)]),
+    "layer_norm_plain": (lambda x: F.layer_norm(x, (4,)), [rand(4, 2, 4)]),
+    "layer_norm_weight_only": (lambda x, w: F.layer_norm(x, (4,), w), [rand(4, 4), rand(4, seed=1)]),
+    "layer_norm_2d": (lambda x: F.layer_norm(x, (2, 4)), [rand(4, 2, 4)]),
+    "layer_norm_rank1": (lambda x, w, b: F.layer_norm(x, (4,), w, b), [rand(4), rand(4, seed=1), rand(4, seed=2)]),
+    "layer_norm_2d_affine": pytest.param((lambda x, w, b: F.layer_norm(x, (2, 4), w, b),
+                                          [rand(4, 2, 4), rand(2, 4, seed=1), rand(2, 4, seed=2)]), marks=slow),
+    "embedding_1d": (lambda t, i: F.embedding(i, t), [rand(8, 4), _ids((4,), 8)]),
+    "embedding_2d": (lambda t, i: F.embedding(i, t), [rand(8, 4), _ids((4, 2), 8)]),
+    "embedding_repeated": (lambda t, i: F.embedding(i, t), [rand(8, 4), torch.tensor([[1, 1], [6, 1]])]),
+    "embedding_padding": (lambda t, i: F.embedding(i, t, padding_idx=2), [rand(8, 4), _ids((4, 2), 4)]),
+    **{f"cross_entropy_{red}": (lambda x, t, red=red: F.cross_entropy(x, t, reduction=red),
+                                [rand(4, 4), _targets(4, 4)]) for red in ("mean", "sum", "none")},
+    **{f"cross_entropy_ignore_{red}": (lambda x, t, red=red: F.cross_entropy(x, t, reduction=red, ignore_index=-1),
+                                       [rand(8, 4), _targets(8, 4, ignore=-1)]) for red in ("mean", "sum", "none")},
+    **{f"cross_entropy_weight_{red}": (lambda x, t, w, red=red: F.cross_entropy(x, t, weight=w, reduction=red),
+                                       [rand(4, 4), _targets(4, 4), Const(rand(4, seed=1).abs())])
+       for red in ("mean", "sum", "none")},
+    "cross_entropy_weight_ignore": (lambda x, t, w: F.cross_entropy(x, t, weight=w, ignore_index=3),
+                                    [rand(8, 4), _targets(8, 4, ignore=3), Const(rand(4, seed=1).abs())]),
+    "cross_entropy_1d": (lambda x, t: F.cross_entropy(x, t), [rand(4), torch.tensor(2)]),
+    **{f"nll_loss_{red}": (lambda x, t, red=red: F.nll_loss(F.log_softmax(x, -1), t, reduction=red),
+                           [rand(4, 4), _targets(4, 4)]) for red in ("mean", "sum", "none")},
+    "nll_loss_ignore": (lambda x, t: F.nll_loss(x, t, ignore_index=0), [rand(8, 4), _targets(8, 4)]),
+    # -- views and shape ops -----------------------------------------------------------------------------------------
+    "view_merge": (lambda x: x.view(16), [rand(4, 4)]),
+    "view_split": (lambda x: x.view(4, 4), [rand(16)]),
+    "view_split_uneven": (lambda x: x.view(2, 8), [rand(16)]),
+    "reshape_merge_leading": (lambda x: x.reshape(8, 4), [rand(2, 4, 4)]),
+    "reshape_merge_trailing": (lambda x: x.reshape(2, 16), [rand(2, 4, 4)]),
+    "reshape_split_last": (lambda x: x.reshape(4, 2, 2), [rand(4, 4)]),
+    "reshape_split_first": (lambda x: x.reshape(2, 2, 4), [rand(4, 4)]),
+    "reshape_regroup": (lambda x: x.reshape(2, 8), [rand(4, 4)]),
+    "reshape_heads": (lambda x: x.reshape(2, 4, 2, 2).transpose(1, 2), [rand(2, 4, 4)]),
+    "reshape_infer": (lambda x: x.reshape(-1, 4), [rand(2, 2, 4)]),
+    "reshape_size1": (lambda x: x.reshape(4, 1, 4), [rand(4, 4)]),
+    "transpose": (lambda x: x.transpose(0, 2), [rand(4, 2, 4)]),
+    "t": (lambda x: x.t(), [rand(4, 2)]),
+    "mT": (lambda x: x.mT, [rand(2, 4, 4)]),
+    "permute": (lambda x: x.permute(2, 0, 1), [rand(4, 2, 4)]),
+    "squeeze_all": (lambda x: x.squeeze(), [rand(4, 1, 4)]),
+    "squeeze_dim": (lambda x: x.squeeze(1), [rand(4, 1, 4)]),
+    "squeeze_noop": (lambda x: x.squeeze(0), [rand(4, 1, 4)]),
+    "unsqueeze": (lambda x: x.unsqueeze(1), [rand(4, 4)]),
+    "unsqueeze_last": (lambda x: x.unsqueeze(-1), [rand(4, 4)]),
+    "flatten": (lambda x: x.flatten(), [rand(4, 2, 4)]),
+    "flatten_1": (lambda x: x.flatten(1), [rand(4, 2, 4)]),
+    "expand": (lambda x: x.expand(4, 4, 4), [rand(4, 1, 4)]),
+    "expand_new_axes": (lambda x: x.expand(2, 4, 4), [rand(4)]),
+    "expand_as": (lambda x, y: x.expand_as(y) * y, [rand(1, 4), rand(4, 4, seed=1)]),
+    "slice_rows": (lambda x: x[1:3], [rand(4, 4)]),
+    "slice_full": (lambda x: x[:, 0:4], [rand(4, 4)]),
+    "slice_step": (lambda x: x[:, ::2], [rand(4, 4)]),
+    "slice_negative": (lambda x: x[..., -2:], [rand(4, 2, 4)]),
+    "select": (lambda x: x[1], [rand(4, 4)]),
+    "select_dim1": (lambda x: x.select(1, 2), [rand(4, 4)]),
+    "index_last": (lambda x: x[:, -1], [rand(4, 2, 4)]),
+    "cat0": (lambda a, b: torch.cat([a, b]), [rand(4, 4), rand(4, 4, seed=1)]),
+    "cat1": (lambda a, b: torch.cat([a, b], dim=1), [rand(4, 4), rand(4, 2, seed=1)]),
+    "cat_three": (lambda a, b, c: torch.cat([a, b, c], dim=-1), [rand(4, 2), rand(4, 2, seed=1), rand(4, 2, seed=2)]),
+    "stack0": (lambda a, b: torch.stack([a, b]), [rand(4, 4), rand(4, 4, seed=1)]),
+    "stack_last": (lambda a, b: torch.stack([a, b], dim=-1), [rand(4, 4), rand(4, 4, seed=1)]),
+    "split": (lambda x: x.split(2, dim=1), [rand(4, 4)]),
+    "split_uneven": (lambda x: x.split(3), [rand(4, 4)]),
+    "split_sizes": (lambda x: x.split([1, 3], dim=-1), [rand(4, 4)]),
+    "chunk": (lambda x: x.chunk(2, dim=0), [rand(4, 4)]),
+    "chunk3": (lambda x: x.chunk(3, dim=2), [rand(4, 2, 4)]),
+    "qkv_split": (lambda x: [t.reshape(2, 4, 2, 2) for t in x.split(4, dim=-1)], [rand(2, 4, 12)]),
+    "unbind0": (lambda x: x.unbind(0), [rand(4, 4)]),
+    "unbind1": (lambda x: x.unbind(1), [rand(4, 2, 4)]),
+    "gather": (lambda x, i: torch.gather(x, 1, i), [rand(4, 4), _ids((4, 2), 4)]),
+    "gather_dim0": (lambda x, i: torch.gather(x, 0, i), [rand(4, 4), _ids((4, 4), 4)]),
+    "scatter": (lambda x, i, src: x.scatter(1, i, src), [rand(4, 4), torch.tensor([[0], [3], [1], [2]]),
+                                                        rand(4, 1, seed=1)]),
+    "scatter_add": (lambda x, i, src: x.scatter_add(0, i, src), [rand(4, 4), _ids((4, 4), 4), rand(4, 4, seed=1)]),
+    "tril": (torch.tril, [rand(4, 4)]),
+    "tril_batched": (lambda x: torch.tril(x, diagonal=-1), [rand(2, 4, 4)]),
+    "triu": (lambda x: torch.triu(x, 1), [rand(4, 4)]),
+    "causal_mask": (lambda x: x.masked_fill(torch.ones_like(x).tril() == 0, float("-inf")).softmax(-1),
+                    [rand(2, 4, 4)]),
+    # -- dtype casts, copies -----------------------------------------------------------------------------------------
+    "float": (lambda x: x.float(), [rand(4, 4)]),
+    "double": (lambda x: x.float().double() * 2, [rand(4, 4)]),
+    "to_dtype": (lambda x: x.to(torch.float32), [rand(4, 2, 4)]),
+    "int_cast": (lambda x: (x * 10).long(), [rand(4, 4)]),
+    "clone": (torch.clone, [rand(4, 4)]),
+    "contiguous": (lambda x: x.t().contiguous(), [rand(4, 4)]),
+    "detach": (lambda x: x.detach(), [rand(4, 4)]),
+    "detach_mix": (lambda x: x * x.detach(), [rand(4, 4)]),
+    "zeros_like": (lambda x: torch.zeros_like(x) + x, [rand(4, 4)]),
+}
+
+
+@pytest.mark.parametrize("case", [pytest.param(v.values[0], id=k, marks=v.marks) if hasattr(v, "marks")
+                                  else pytest.param(v, id=k) for k, v in CASES.items()])
+def test_op(case):
+    fn, inputs = case
+    assert check_op(fn, inputs) >= 1
+
+
+# -- a transformer block end to end -------------------------------------------------------------------------------
+def _block(x, w_qkv, w_o, w1, w2, ln_w):
+    b, s, d = x.shape
+    h = F.layer_norm(x, (d,), ln_w)
+    q, k, v = h.matmul(w_qkv).split(d, dim=-1)
+    q, k, v = (t.reshape(b, s, 2, d // 2).transpose(1, 2) for t in (q, k, v))  # (B, nh, S, hs)
+    att = (q @ k.transpose(-2, -1)) * (d // 2) ** -0.5
+    att = att.masked_fill(torch.ones_like(att).triu(1) > 0, float("-inf"))  # causal
+    y = (att.softmax(-1) @ v).transpose(1, 2).reshape(b, s, d)
+    x = x + F.linear(y, w_o)
+    return x + F.gelu(x @ w1) @ w2
+
+
+def test_transformer_block():
+    d = 4
+    x, w_qkv, w_o, w1, w2, ln_w = rand(2, 4, d), rand(d, 3 * d, seed=1), rand(d, d, seed=2), \
+        rand(d, 8, seed=3), rand(8, d, seed=4), rand(d, seed=5)
+    lay = lambda *s: spmd.Layout(list(s), MESH)  # noqa: E731
+    U = spmd.UNSHARDED
+    layouts = [[lay("x", U, U), lay(U, "y", U), lay("y", "x", U)],
+               [lay(U, "y"), lay(U, U)], [lay("y", U), lay(U, U)], [lay(U, "y")], [lay("y", U)],
+               [lay(U), lay("y")]]
+    assert check_op(_block, [x, w_qkv, w_o, w1, w2, ln_w], layouts=layouts) == 3 * 2 * 2 * 2
+
+
+def test_mlp_step_loss():
+    """Embedding -> linear -> gelu -> linear -> cross entropy, the loss and every gradient, all layouts of the
+    parameters (batch-sharded ids)."""
+    def step(table, w1, w2, ids, targets):
+        h = F.embedding(ids, table)
+        logits = F.linear(F.gelu(F.linear(h, w1)), w2)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    inputs = [rand(8, 4), rand(8, 4, seed=1), rand(8, 8, seed=2), _ids((4, 2), 8), _ids((4, 2), 8, seed=1)]
+    layouts = [all_layouts(MESH, (8, 4)), all_layouts(MESH, (8, 4)), all_layouts(MESH, (8, 8))[::3],
+               [spmd.Layout(["x", spmd.UNSHARDED], MESH)], [spmd.Layout(["x", spmd.UNSHARDED], MESH)]]
+    check_op(step, inputs, layouts=layouts)
+
+
+# -- random ops are layout-invariant --------------------------------------------------------------------------------
+@pytest.mark.parametrize("p", [0.5, 0.1])
+def test_dropout_mask_is_layout_invariant(p):
+    x = torch.ones(4, 2, 4, dtype=torch.float64)
+    results = []
+    for layout in all_layouts(MESH, x.shape):
+        torch.manual_seed(7)
+        out = F.dropout(distribute(x, layout), p=p, training=True)
+        assert spmd.fetch_layout(out) == layout
+        results.append(gather(out))
+    for r in results[1:]:
+        assert torch.equal(r, results[0])
+    kept = results[0] != 0
+    assert torch.all(results[0][kept] == 1 / (1 - p))
+    assert 0 < kept.sum() < x.numel()
+    torch.manual_seed(8)
+    assert not torch.equal(gather(F.dropout(distribute(x, all_layouts(MESH, x.shape)[0]), p=p)), results[0])
+
+
+def test_dropout_gradient_uses_the_mask():
+    x = rand(4, 4)
+    for layout in all_layouts(MESH, x.shape):
+        torch.manual_seed(3)
+        leaf = distribute(x, layout).detach().requires_grad_()
+        out = F.dropout(leaf, p=0.5)
+        out.sum().backward()
+        assert spmd.fetch_layout(leaf.grad) == layout
+        assert torch.equal(gather(leaf.grad), (gather(out) != 0).double() * 2)
+
+
+def test_dropout_eval_is_identity():
+    x = rand(4, 4)
+    for layout in all_layouts(MESH, x.shape):
+        assert torch.equal(gather(F.dropout(distribute(x, layout), p=0.5, training=False)), x)
+
+
+@pytest.mark.parametrize("init", [lambda t: torch.nn.init.normal_(t, 0.5, 2.0),
+                                  lambda t: torch.nn.init.uniform_(t, -1.0, 3.0),
+                                  lambda t: t.normal_(), lambda t: t.uniform_()], ids=["normal", "uniform",
+                                                                                      "normal_", "uniform_"])
+def test_init_is_layout_invariant(init):
+    results = []
+    for layout in all_layouts(MESH, (4, 2, 4)):
+        t = spmd.zeros(4, 2, 4, dtype=torch.float64, layout=layout)
+        torch.manual_seed(11)
+        with torch.no_grad():
+            out = init(t)
+        assert out is t and spmd.fetch_layout(t) == layout
+        results.append(gather(t))
+    for r in results[1:]:
+        assert torch.equal(r, results[0])
+    assert results[0].std() > 0.25
+
+
+def test_rand_like_is_layout_invariant():
+    results = []
+    for layout in all_layouts(MESH, (4, 4)):
+        torch.manual_seed(5)
+        results.append(gather(torch.rand_like(spmd.zeros(4, 4, layout=layout))))
+    assert all(torch.equal(r, results[0]) for r in results)
+
+
+# -- mixing DTensors with other things -----------------------------------------------------------------------------
+def test_two_meshes_mismatch():
+    other = spmd.create_mesh([("a", 4)])
+    a = distribute(rand(4, 4), spmd.Layout(["x", spmd.UNSHARDED], MESH))
+    b = distribute(rand(4, 4), spmd.Layout(["a", spmd.UNSHARDED], other))
+    with pytest.raises(spmd.MeshMismatchError):
+        a + b
+    with pytest.raises(ValueError, match="different meshes"):
+        torch.mm(a, b)
+
+
+def test_plain_tensor_is_rejected():
+    a = distribute(rand(4, 4), spmd.Layout(["x", spmd.UNSHARDED], MESH))
+    with pytest.raises(spmd.MixedTensorError, match="copy_to_mesh"):
+        torch.add(a, torch.ones(4, 4, dtype=torch.float64))
+    with pytest.raises(TypeError, match="copy_to_mesh"):
+        torch.mul(torch.ones(4, dtype=torch.float64), a)
+    with pytest.raises(spmd.MixedTensorError, match="copy_to_mesh"):
+        torch.mm(a, torch.ones(4, 4, dtype=torch.float64))
+    # torch's operators turn a TypeError from an operand into NotImplemented: `+` raises a plain TypeError
+    with pytest.raises(TypeError):
+        a + torch.ones(4, 4, dtype=torch.float64)
+
+
+def test_scalars_broadcast():
+    x = rand(4, 4)
+    a = distribute(x, spmd.Layout(["x", "y"], MESH))
+    zero_d = torch.tensor(3.0, dtype=torch.float64)
+    out = (a + zero_d) * 2 - 1
+    assert spmd.fetch_layout(out) == spmd.fetch_layout(a)
+    torch.testing.assert_close(gather(out), (x + 3) * 2 - 1)
+    torch.testing.assert_close(gather(torch.maximum(a, zero_d)), torch.maximum(x, zero_d))
