@@ -1,0 +1,113 @@
+"""Shared helpers for the benchmark scripts: timing, an in-process torch.distributed group, markdown tables."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import socket
+import statistics
+import time
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def free_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+@contextlib.contextmanager
+def torch_dist_ws1():
+    """A gloo process group of world size 1 in this process (reuses one that is already initialised)."""
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        if owned:
+            dist.destroy_process_group()
+
+
+def time_once(fn: Callable[[], object], iters: int) -> float:
+    """µs per call over `iters` calls (no warm-up)."""
+    t = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    return (time.perf_counter() - t) / iters * 1e6
+
+
+def time_cases(cases: dict[str, Callable[[], object]], iters: int, reps: int, warm: int = 50) -> dict[str, dict]:
+    """Round-robin timing: every repetition times each case once, so slow drift of the machine hits all cases
+    alike. Returns per case the median µs/call over `reps` and the individual repetitions (or an error)."""
+    out: dict[str, dict] = {}
+    live = {}
+    for name, fn in cases.items():
+        try:
+            for _ in range(warm):
+                fn()
+            live[name] = fn
+            out[name] = {"runs": []}
+        except Exception as e:  # a case spmd (or torch) cannot run is reported, not fatal
+            out[name] = {"error": f"{type(e).__name__}: {str(e)[:160]}"}
+    for _ in range(reps):
+        for name, fn in live.items():
+            out[name]["runs"].append(time_once(fn, iters))
+    for name in live:
+        out[name]["median"] = statistics.median(out[name]["runs"])
+    return out
+
+
+def med(res: dict, name: str) -> float | None:
+    r = res.get(name)
+    return None if r is None or "median" not in r else r["median"]
+
+
+def fmt(x: float | None, digits: int = 1) -> str:
+    if x is None:
+        return "–"
+    return f"{x:.{digits}f}"
+
+
+def ratio(a: float | None, b: float | None) -> str:
+    if a is None or b is None or b == 0:
+        return "–"
+    return f"{a / b:.2f}×"
+
+
+def diff(a: float | None, b: float | None) -> str:
+    if a is None or b is None:
+        return "–"
+    return f"{a - b:+.1f}"
+
+
+def md_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def environment() -> str:
+    return (f"torch {torch.__version__}, Python {platform.python_version()}, {platform.machine()}, "
+            f"{os.cpu_count()} cores, torch threads {torch.get_num_threads()}")
+
+
+def write_results(stem: str, markdown: str, data: dict, out_dir: str | None = None) -> list[str]:
+    out_dir = out_dir or RESULTS
+    os.makedirs(out_dir, exist_ok=True)
+    md_path = os.path.join(out_dir, stem + ".md")
+    js_path = os.path.join(out_dir, stem + ".json")
+    with open(md_path, "w") as f:
+        f.write(markdown.rstrip() + "\n")
+    with open(js_path, "w") as f:
+        json.dump(data, f, indent=1, default=str)
+    return [md_path, js_path]
