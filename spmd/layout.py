@@ -158,7 +158,11 @@ class Layout:
 
     def delete(self, dims: int | Sequence[int]) -> "Layout":
         """A new layout without the tensor axes `dims`."""
-        drop = {d % self.rank for d in ([dims] if isinstance(dims, int) else dims)}
+        dims = [dims] if isinstance(dims, int) else list(dims)
+        bad = [d for d in dims if not -self.rank <= d < self.rank]
+        if bad:
+            raise LayoutError(f"cannot delete axes {bad} from a layout of rank {self.rank} ({self.sharding_specs})")
+        drop = {d % self.rank for d in dims}
         return Layout([s for i, s in enumerate(self._specs) if i not in drop], self._mesh)
 
     # -- string format, value semantics --------------------------------------------------------------------------

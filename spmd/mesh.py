@@ -112,7 +112,11 @@ class Mesh:
         unknown = sorted(set(local_device_ids) - set(flat.tolist()))
         if unknown:
             raise LayoutError(f"local device ids {unknown} are not in the mesh's global ids {flat.tolist()}")
-        types = {_FULL_DEVICE.match(d).group(4) for d in list(local_devices) + list(global_devices or [])}
+        global_devices = [canonical_device(d) for d in global_devices or ()]
+        if global_devices and len(global_devices) != flat.size:
+            raise LayoutError(f"global_devices has {len(global_devices)} devices but the mesh has {flat.size} "
+                              f"global device ids: {global_devices}")
+        types = {_FULL_DEVICE.match(d).group(4) for d in local_devices + global_devices}
         if len(types) > 1:
             raise LayoutError(f"Devices containing multiple device_types : {sorted(types)}")
         self._dim_names = tuple(dim_names)
@@ -121,7 +125,7 @@ class Mesh:
         self._local_ids = tuple(int(i) for i in local_device_ids)
         self._local_devices = tuple(local_devices)
         self._name = str(mesh_name)
-        self._global_devices = tuple(canonical_device(d) for d in global_devices or ())
+        self._global_devices = tuple(global_devices)
         self._dim_index = {n: i for i, n in enumerate(self._dim_names)}
         self._string = self._format()
         self._hash = hash(self._string)

@@ -198,6 +198,12 @@ def test_delete(mesh, specs, dims, remaining):
     assert layout.sharding_specs == specs  # a new layout; the original is unchanged
 
 
+@pytest.mark.parametrize("dims", [3, -4, [0, 3]])
+def test_delete_out_of_range(mesh, dims):
+    with pytest.raises(ValueError, match="cannot delete axes"):
+        Layout(["x", "y", U], mesh).delete(dims)
+
+
 # -- the string format (§2.1) ------------------------------------------------------------------------------------
 def test_to_string_exact(mesh):
     m = mesh.to_string()

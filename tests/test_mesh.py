@@ -135,6 +135,13 @@ def test_multi_client_members():
     assert remote.is_remote() and remote.local_devices() == [] and remote.device_type() == "CPU"
 
 
+def test_global_devices_take_short_names():
+    mesh = Mesh(["x"], np.arange(4), [0, 1], ["CPU:0", "CPU:1"], global_devices=[f"CPU:{i}" for i in range(4)])
+    assert mesh.global_devices() == full("CPU", 4)
+    assert mesh.to_string() == "|x=4|0,1,2,3|0,1|" + ",".join(full("CPU", 2)) + "|" + ",".join(full("CPU", 4))
+    assert Mesh.from_string(mesh.to_string()) == mesh
+
+
 def test_constructor_matches_from_string():
     s = mesh_string("batch=2,x=2", 4, "TPU")
     built = Mesh(["batch", "x"], np.arange(4).reshape(2, 2), [0, 1, 2, 3], full("TPU", 4))
@@ -297,6 +304,9 @@ ERRORS = [
     (lambda: _mesh([0, 1], ["CPU:0", "TPU:1"]), "Devices containing multiple device_types : ['CPU', 'TPU']"),
     (lambda: _mesh([0, 1], ["CPU:0", "CPU:1"], global_devices=full("GPU", 2)),
      "Devices containing multiple device_types"),
+    (lambda: _mesh([0, 1, 2, 3], ["CPU:0", "CPU:1"], local_ids=[0, 1], global_devices=full("CPU", 3)),
+     "global_devices has 3 devices but the mesh has 4"),
+    (lambda: _mesh([0, 1], ["CPU:0", "CPU:1"], global_devices=["CPU:0", "bad"]), "'bad'"),
     # from_string
     (lambda: Mesh.from_string("garbage"), "Input string is invalid: garbage"),
     (lambda: Mesh.from_string(""), "Input string is invalid: "),
