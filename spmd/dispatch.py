@@ -17,6 +17,7 @@ from spmd.rules import lookup
 from spmd.rules.common import OpCall, TensorSpec
 
 _CACHE: dict = {}
+_CACHE_LIMIT = 100_000
 _STATS = {"misses": 0}
 
 
@@ -46,7 +47,7 @@ def _sig(a, tensors):
         return a
     if isinstance(a, DTensor):
         tensors.append(a)
-        return a._layout, a.shape, a.dtype
+        return a._key
     if t is list or t is tuple:
         return tuple(_sig(x, tensors) for x in a)
     if isinstance(a, torch.Tensor):
@@ -58,44 +59,51 @@ def _sig(a, tensors):
     return a
 
 
-def dispatch(func, args, kwargs):
-    try:
-        return _dispatch(func, args, kwargs)
-    except MixedTensorError:
-        if func is torch.ops.aten.copy_.default and isinstance(args[0], DTensor):
-            # `dtensor.copy_(plain)` (e.g. `load_state_dict` from a plain checkpoint): distribute the value first
-            from spmd.api import copy_to_mesh
-            src = args[1].expand(args[0].shape)
-            return _dispatch(func, (args[0], copy_to_mesh(src, args[0]._layout)) + tuple(args[2:]), kwargs)
-        raise
-
-
-def _dispatch(func, args, kwargs):
+def dispatch(cls, func, types, args=(), kwargs=None):
+    """`DTensor.__torch_dispatch__`: the whole hot path of a cache hit is this function and `_execute`."""
     tensors: list[DTensor] = []
-    key = [func]
-    for a in args:  # the common argument kinds inline; the rest through _sig
-        if isinstance(a, DTensor):
-            tensors.append(a)
-            key.append((a._layout, a.shape, a.dtype))
-        elif type(a) is float:
-            key.append(float)
-        else:
-            key.append(_sig(a, tensors))
-    if kwargs:
-        key.append(tuple([(k, _sig(v, tensors)) for k, v in kwargs.items()]))
+    key = [id(func)]  # OpOverloads live as long as torch: their id is stable and cheaper than their hash
+    try:
+        for a in args:  # the common argument kinds inline; the rest through _sig
+            if isinstance(a, DTensor):
+                tensors.append(a)
+                key.append(a._key)
+            elif type(a) is float:
+                key.append(float)
+            else:
+                key.append(_sig(a, tensors))
+        if kwargs:
+            key.append(tuple([(k, _sig(v, tensors)) for k, v in kwargs.items()]))
+    except MixedTensorError:
+        return _copy_from_plain(func, args, kwargs)
     key = tuple(key)
     plan = _CACHE.get(key)
     if plan is None:
-        _STATS["misses"] += 1
-        plan = _CACHE[key] = _make_plan(func, args, kwargs, tensors)
-    return _execute(plan, args, kwargs, tensors)
+        plan = _miss(key, func, args, kwargs or {}, tensors)
+    return _execute(plan, args, kwargs or {}, tensors)
 
 
-def _torch_dispatch(cls, func, types, args=(), kwargs=None):
-    return dispatch(func, args, kwargs or {})
+DTensor.__torch_dispatch__ = classmethod(dispatch)
 
 
-DTensor.__torch_dispatch__ = classmethod(_torch_dispatch)
+def _miss(key, func, args, kwargs, tensors) -> "_Plan":
+    _STATS["misses"] += 1
+    if len(_CACHE) >= _CACHE_LIMIT:  # shapes that keep changing must not grow the cache forever
+        _CACHE.clear()
+    plan = _CACHE[key] = _make_plan(func, args, kwargs, tensors)
+    return plan
+
+
+def _copy_from_plain(func, args, kwargs):
+    """`dtensor.copy_(plain)` (e.g. `load_state_dict` from a plain checkpoint) distributes the value first;
+    any other op mixing a plain non-scalar tensor with DTensors re-raises the MixedTensorError."""
+    if func is not torch.ops.aten.copy_.default or not isinstance(args[0], DTensor):
+        tensors: list = []
+        for a in list(args) + list((kwargs or {}).values()):
+            _sig(a, tensors)
+    from spmd.api import copy_to_mesh
+    src = args[1].expand(args[0].shape)
+    return dispatch(DTensor, func, (), (args[0], copy_to_mesh(src, args[0]._layout)) + tuple(args[2:]), kwargs)
 
 
 def _execute(plan: _Plan, args, kwargs, tensors):
@@ -172,6 +180,9 @@ def _make_plan(func, args, kwargs, tensors) -> _Plan:
     if rule is None:
         return _fallback_plan(call, tensors)
     decision = rule(call)
+    specialize = getattr(decision.kernel, "specialize", None)
+    if specialize is not None:
+        decision.kernel = specialize(args, kwargs)
     return _plan_from_decision(decision, call, tensors)
 
 

@@ -36,6 +36,7 @@ class DTensor(torch.Tensor):
                                                   requires_grad=requires_grad)
         out._local = local
         out._layout = layout
+        out._key = (layout, tuple(shape), local.dtype)  # the dispatcher's cache-key part for this tensor
         return out
 
     # `__torch_dispatch__` is installed by spmd.dispatch (kept there to avoid an import cycle).

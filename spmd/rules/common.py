@@ -151,4 +151,19 @@ def generic_kernel(func, arg_overrides: dict | None = None, kwarg_overrides: dic
         if kwarg_overrides:
             kw = {**kw, **kwarg_overrides}
         return op(*a, **kw)
+
+    def specialize(args, kwargs):
+        """A kernel without the general argument rewriting, for the common leading-DTensors call shapes."""
+        if views is not None or overrides or kwarg_overrides:
+            return kernel
+        positions = _positional_slots(args, kwargs)
+        if positions == (0,):
+            return (lambda l, a, k: op(l[0])) if len(args) == 1 and not kwargs else \
+                (lambda l, a, k: op(l[0], *a[1:], **k))
+        if positions == (0, 1):
+            return (lambda l, a, k: op(l[0], l[1])) if len(args) == 2 and not kwargs else \
+                (lambda l, a, k: op(l[0], l[1], *a[2:], **k))
+        return kernel
+
+    kernel.specialize = specialize
     return kernel

@@ -283,5 +283,6 @@ def inplace_view_rule(call: OpCall) -> Decision:
         target._local, target._layout = inner(l, a, k), layout
         with no_dispatch():  # the wrapper's sizes and strides follow the op
             call.func(*a, **k)
+        target._key = (layout, tuple(target.shape), target.dtype)
         return target
     return Decision(decision.inputs, decision.outputs, kernel, inplace=True)
