@@ -102,9 +102,15 @@ def keep_grad_layout(leaf: DTensor) -> None:
     layout = leaf._layout
 
     def to_leaf_layout(grad):
-        if isinstance(grad, DTensor) and grad._layout != layout:
+        if not isinstance(grad, DTensor):
+            return grad
+        if grad._layout != layout:
             from spmd.api import relayout
-            return relayout(grad, layout)
+            grad = relayout(grad, layout)
+        if not grad._local.is_contiguous():
+            # e.g. a weight gradient computed transposed: plain torch makes accumulated grads contiguous too,
+            # and optimizers' in-place updates are several times slower on strided storage
+            grad = make(grad._local.contiguous(), layout)
         return grad
 
     leaf._grad_layout_hook = leaf.register_hook(to_leaf_layout)

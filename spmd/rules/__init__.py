@@ -45,4 +45,4 @@ def registered_ops() -> list:
     return sorted(_RULES, key=str)
 
 
-from spmd.rules import contraction, nn, pointwise, random_ops, reduction, tensor_ops, view  # noqa: E402,F401
+from spmd.rules import contraction, loss, nn, pointwise, random_ops, reduction, tensor_ops, view  # noqa: E402,F401
