@@ -10,7 +10,7 @@ import warnings
 
 import torch
 
-from spmd import redistribute
+from spmd import foreach, redistribute
 from spmd.dtensor import DTensor
 from spmd.errors import MeshMismatchError, MixedTensorError, UnsupportedOpError
 from spmd.rules import lookup
@@ -75,12 +75,14 @@ def dispatch(cls, func, types, args=(), kwargs=None):
         if kwargs:
             key.append(tuple([(k, _sig(v, tensors)) for k, v in kwargs.items()]))
     except MixedTensorError:
+        if foreach.is_foreach(func):  # e.g. per-parameter scalars given as one plain tensor
+            return foreach.run(func, args, kwargs or {})
         return _copy_from_plain(func, args, kwargs)
     key = tuple(key)
     plan = _CACHE.get(key)
     if plan is None:
         plan = _miss(key, func, args, kwargs or {}, tensors)
-    return _execute(plan, args, kwargs or {}, tensors)
+    return _execute(plan, func, args, kwargs or {}, tensors)
 
 
 DTensor.__torch_dispatch__ = classmethod(dispatch)
@@ -90,7 +92,11 @@ def _miss(key, func, args, kwargs, tensors) -> "_Plan":
     _STATS["misses"] += 1
     if len(_CACHE) >= _CACHE_LIMIT:  # shapes that keep changing must not grow the cache forever
         _CACHE.clear()
-    plan = _CACHE[key] = _make_plan(func, args, kwargs, tensors)
+    if foreach.is_foreach(func):
+        plan = _Plan(None, (), None, None, None)  # no decision: `_execute` runs the element ops
+    else:
+        plan = _make_plan(func, args, kwargs, tensors)
+    _CACHE[key] = plan
     return plan
 
 
@@ -106,8 +112,10 @@ def _copy_from_plain(func, args, kwargs):
     return dispatch(DTensor, func, (), (args[0], copy_to_mesh(src, args[0]._layout)) + tuple(args[2:]), kwargs)
 
 
-def _execute(plan: _Plan, args, kwargs, tensors):
+def _execute(plan: _Plan, func, args, kwargs, tensors):
     decision = plan.decision
+    if decision is None:
+        return foreach.run(func, args, kwargs)
     locals_ = [t._local for t in tensors]
     for i, steps in plan.in_steps:
         locals_[i] = redistribute.run(locals_[i], plan.mesh, steps)
