@@ -14,9 +14,15 @@ from spmd.layout import MATCH, UNSHARDED, Layout
 
 
 class Pack(torch.autograd.Function):
+    """Components -> DTensor. The DTensor's value is the first replica of each shard (what `numpy`/`to_global`
+    read), so the gradient goes to that component; the other copies get zeros. This makes Pack and Unpack
+    adjoint: `pack(unpack(t))` passes gradients through unchanged, and `pack([w] * n, replicated)` gives `w` the
+    gradient of its value, not n times it."""
+
     @staticmethod
     def forward(ctx, layout: Layout, *components):
         ctx.layout = layout
+        ctx.devices = [c.device for c in components]
         device = layout.mesh.torch_device
         local = torch.stack([c.detach().to(device) for c in components])
         layout.check_divisible(layout.global_shape_from_local_shape(local.shape[1:]))
@@ -25,10 +31,16 @@ class Pack(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         grad = relayout(grad, ctx.layout)
-        return (None, *grad._local.unbind(0))
+        first = _first_replicas(ctx.layout)
+        return (None, *(g.to(d) if keep else torch.zeros_like(g, device=d)
+                        for g, keep, d in zip(grad._local.unbind(0), first, ctx.devices)))
 
 
 class Unpack(torch.autograd.Function):
+    """DTensor -> components. A component of a replicated (or partly replicated) DTensor is one of several copies
+    of the same values, so the gradient of the DTensor sums the gradients of the copies (an all-reduce over the
+    mesh dimensions the layout does not shard)."""
+
     @staticmethod
     def forward(ctx, tensor: DTensor):
         ctx.layout = tensor._layout
@@ -38,7 +50,18 @@ class Unpack(torch.autograd.Function):
     def backward(ctx, *grads):
         ref = next(g for g in grads if g is not None)
         local = torch.stack([torch.zeros_like(ref) if g is None else g for g in grads])
-        return make(local, ctx.layout)
+        layout = ctx.layout
+        replicas = tuple(d for d in layout.mesh.dim_names if d not in layout.axes)
+        steps = redistribute.plan_on(layout.mesh, layout.axes, layout.axes, replicas)
+        return make(redistribute.run(local, layout.mesh, steps), layout)
+
+
+def _first_replicas(layout: Layout) -> list[bool]:
+    """Per local device: whether it holds the first copy of its shard (coordinate 0 on every replicated dim)."""
+    mesh = layout.mesh
+    replicated = [mesh.axis_index(d) for d in mesh.dim_names if d not in layout.axes]
+    base = mesh.min_global_device_id()
+    return [all(mesh.device_location(i - base)[a] == 0 for a in replicated) for i in mesh.local_device_ids()]
 
 
 class _Relayout(torch.autograd.Function):

@@ -192,6 +192,41 @@ def test_pack_is_differentiable(mesh22):
         assert torch.equal(p.grad, torch.full((1, 2), 2.0 * i))
 
 
+@pytest.mark.parametrize("specs, factor", [([U], 3.0), (["x"], 6.0), (["y"], 6.0)])
+def test_pack_of_one_shared_leaf_gets_the_gradient_of_its_value(mesh22, specs, factor):
+    # the DTensor's value is the first copy of each shard; a leaf packed into every copy is counted once per shard
+    w = torch.ones(1, requires_grad=True)
+    (pack([w] * 4, Layout(specs, mesh22)) * 3).sum().backward()
+    assert w.grad.tolist() == [factor]
+
+
+@pytest.mark.parametrize("index, rows", [(0, slice(0, 2)), (1, slice(0, 2)), (2, slice(2, 4)), (3, slice(2, 4))])
+def test_unpack_gradient_from_any_copy(mesh22, index, rows):
+    t = torch.arange(16.0).reshape(4, 4).requires_grad_()
+    parts = unpack(copy_to_mesh(t, Layout(["x", U], mesh22)))
+    parts[index].sum().backward()
+    expected = torch.zeros(4, 4)
+    expected[rows] = 1.0
+    assert torch.equal(t.grad, expected)
+
+
+def test_unpack_gradient_sums_the_copies(mesh22):
+    t = torch.arange(16.0).reshape(4, 4).requires_grad_()
+    parts = unpack(copy_to_mesh(t, Layout(["x", U], mesh22)))  # every row is held by 2 devices
+    sum(p.sum() for p in parts).backward()
+    assert torch.equal(t.grad, torch.full((4, 4), 2.0))
+
+
+@pytest.mark.parametrize("specs", [[U, U], ["x", U], [U, "y"], ["y", "x"]])
+def test_pack_of_unpack_passes_gradients_through(mesh22, specs):
+    layout = Layout(specs, mesh22)
+    d = copy_to_mesh(torch.arange(16.0).reshape(4, 4), layout).requires_grad_()
+    (pack(unpack(d), layout) * 5).sum().backward()
+    assert fetch_layout(d.grad) == layout
+    assert torch.equal(gather(d.grad), torch.full((4, 4), 5.0))
+    assert components(d.grad) == components(copy_to_mesh(torch.full((4, 4), 5.0), layout))  # every copy agrees
+
+
 # -- numpy, repr -------------------------------------------------------------------------------------------------
 def test_numpy_of_replicated(mesh22):
     t = copy_to_mesh(A, Layout.replicated(mesh22, 2))
