@@ -7,6 +7,7 @@ DTensors that behave as one global `torch.Tensor` while each device holds only i
 from spmd import random
 from spmd.api import copy_to_mesh, relayout, relayout_like, to_global
 from spmd.creation import call_with_layout, empty, fill, full, ones, ones_like, zeros, zeros_like
+from spmd.data import DTensorDataset, create_dtensor_iterable
 from spmd.dispatch import cache_stats
 from spmd.dtensor import DTensor, check_layout, fetch_layout, is_dtensor, pack, unpack
 from spmd.errors import (IndivisibleError, LayoutError, MeshMismatchError, MixedTensorError,
@@ -23,5 +24,5 @@ __all__ = [
     "pack", "unpack", "fetch_layout", "check_layout", "is_dtensor", "relayout", "relayout_like", "copy_to_mesh",
     "to_global", "call_with_layout", "default_mesh", "get_default_mesh", "zeros", "ones", "empty", "fill", "full",
     "zeros_like", "ones_like", "random", "cache_stats", "LayoutError", "IndivisibleError", "MeshMismatchError",
-    "MixedTensorError", "UnsupportedOpError",
+    "MixedTensorError", "UnsupportedOpError", "DTensorDataset", "create_dtensor_iterable",
 ]
