@@ -91,6 +91,25 @@ class DTensor(torch.Tensor):
         raise TypeError("a DTensor cannot be pickled directly; save it with spmd.checkpoint or unpack it first")
 
 
+def _operator(torch_fn, reflected: bool = False):
+    # torch's C operator slots turn a TypeError into NotImplemented, which would hide spmd's MixedTensorError
+    # behind Python's generic "unsupported operand" (and make `dtensor == plain` silently False)
+    if reflected:
+        return lambda self, other: torch_fn(other, self)
+    return lambda self, other: torch_fn(self, other)
+
+
+for _name, _fn in {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "truediv": torch.div,
+                   "matmul": torch.matmul, "pow": torch.pow, "eq": torch.eq, "ne": torch.ne, "lt": torch.lt,
+                   "le": torch.le, "gt": torch.gt, "ge": torch.ge}.items():
+    setattr(DTensor, f"__{_name}__", _operator(_fn))
+for _name, _fn in {"radd": torch.add, "rmul": torch.mul, "rmatmul": torch.matmul, "rpow": torch.pow}.items():
+    setattr(DTensor, f"__{_name}__", _operator(_fn, reflected=True))
+DTensor.__rsub__ = lambda self, other: torch.rsub(self, other)
+DTensor.__rtruediv__ = lambda self, other: torch.reciprocal(self) * other  # as torch.Tensor.__rtruediv__
+DTensor.__hash__ = torch.Tensor.__hash__  # defining __eq__ would otherwise make DTensors unhashable
+
+
 def _format(component: torch.Tensor) -> str:
     return np.array2string(component.detach().cpu().numpy(), separator=" ", threshold=64).replace("\n", "")
 
