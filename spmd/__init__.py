@@ -14,8 +14,10 @@ from spmd.errors import (IndivisibleError, LayoutError, MeshMismatchError, Mixed
                          UnsupportedOpError)
 from spmd.layout import MATCH, UNSHARDED, Layout
 from spmd.mesh import Mesh, MeshDimension, create_mesh
+from spmd.nn import LayoutMap, Strategy, distribute_module
 from spmd.scope import default_mesh, get_default_mesh
 from spmd.variable import DVariable
+from spmd.visualize import visualize
 
 __version__ = "0.1.0"
 
@@ -25,4 +27,5 @@ __all__ = [
     "to_global", "call_with_layout", "default_mesh", "get_default_mesh", "zeros", "ones", "empty", "fill", "full",
     "zeros_like", "ones_like", "random", "cache_stats", "LayoutError", "IndivisibleError", "MeshMismatchError",
     "MixedTensorError", "UnsupportedOpError", "DTensorDataset", "create_dtensor_iterable",
+    "LayoutMap", "distribute_module", "Strategy",
 ]
