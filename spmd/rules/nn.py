@@ -174,3 +174,46 @@ def nll_loss_backward_rule(call: OpCall) -> Decision:
                                              ignore_index, total)
         return out.view(xl.shape)
     return Decision(inputs, (x_axes,), kernel)
+
+
+@register(aten._scaled_dot_product_flash_attention_for_cpu.default,
+          aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
+def attention_rule(call: OpCall) -> Decision:
+    """Attention (B, H, L|S, E) and its backward: each (batch, head) is independent, so those axes keep their
+    sharding (merged over the operands, first wins); sequence and embedding axes are whole on each device.
+    A mask is broadcast to (B, H, L, S) and sharded like the batch axes."""
+    if arg(call, "dropout_p", 0.0):
+        raise unsupported(call, "attention dropout would not be layout-invariant; apply F.dropout to the attention "
+                                "weights instead")
+    mask = call.kwargs.get("attn_mask")
+    tensors = [s for s in call.specs if s is not mask]
+    batch = [None, None]
+    for s in tensors:
+        for i in (0, 1):
+            if batch[i] is None and s.axes[i] not in batch:
+                batch[i] = s.axes[i]
+    batch = tuple(batch)
+    required = [batch + (None,) * (s.rank - 2) for s in tensors]
+    q = call.specs[1] if call.func is aten._scaled_dot_product_flash_attention_for_cpu_backward.default else \
+        call.specs[0]
+    full = q.shape[:3] + (call.specs[2 if q is call.specs[1] else 1].shape[2],)  # (B, H, L, S)
+    if mask is not None:
+        lead = 4 - mask.rank
+        required.append(tuple(batch[j + lead] if j + lead < 2 and mask.shape[j] == full[j + lead] else None
+                              for j in range(mask.rank)))
+        mask_view = (call.num_local,) + (1,) * lead + call.local_shape(mask, required[-1])
+        mask_full = (call.num_local,) + call.local_shape(full, batch + (None, None))
+    n_out = len(call.func._schema.returns)
+    outputs = tuple(required[i] for i in range(n_out)) if n_out == 3 else (required[0], batch + (None,))
+    if n_out == 3:  # grads of query, key, value: the layouts of query, key, value
+        outputs = tuple(required[1:4])
+
+    def kernel(l, a, k):
+        stack, b = l[0].shape[:2]
+        flat = [t.flatten(0, 1) for t in l[:len(tensors)]]  # (stack * B, H, ...): the op wants 4-D operands
+        kw = dict(k)
+        if mask is not None:
+            kw["attn_mask"] = l[-1].view(mask_view).expand(mask_full).flatten(0, 1)
+        outs = call.func(*flat, *a[len(tensors):], **kw)
+        return tuple(o.unflatten(0, (stack, b)) for o in outs)
+    return Decision(tuple(required), outputs, kernel, single=False)

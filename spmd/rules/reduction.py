@@ -125,7 +125,7 @@ def norm_rule(call: OpCall) -> Decision:
 
 
 @register(aten.cumsum.default, aten.cumprod.default, aten.sort.default, aten.sort.stable, aten.topk.default,
-          aten._softmax.default, aten._log_softmax.default)
+          aten._softmax.default, aten._log_softmax.default, aten._safe_softmax.default)
 def scan_rule(call: OpCall) -> Decision:
     """Ops along one axis whose every output depends on the whole axis: that axis is gathered, others kept."""
     spec = call.specs[0]
