@@ -46,3 +46,4 @@ def registered_ops() -> list:
 
 
 from spmd.rules import contraction, loss, nn, pointwise, random_ops, reduction, tensor_ops, view  # noqa: E402,F401
+from spmd.rules import vocab_parallel  # noqa: E402,F401  (after nn/reduction: overrides their rules)

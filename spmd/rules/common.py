@@ -167,3 +167,12 @@ def generic_kernel(func, arg_overrides: dict | None = None, kwarg_overrides: dic
 
     kernel.specialize = specialize
     return kernel
+
+
+def shard_starts(call: OpCall, mesh_dim: str, block: int, ndim: int) -> torch.Tensor:
+    """Per local device, the first global index of its block along an axis sharded over `mesh_dim` (blocks of
+    `block` elements), shaped `(L, 1, ..., 1)` with `ndim` trailing ones to broadcast over a component."""
+    mesh = call.mesh
+    base = mesh.min_global_device_id()
+    starts = [mesh.device_location(i - base)[mesh.axis_index(mesh_dim)] * block for i in mesh.local_device_ids()]
+    return torch.tensor(starts, device=mesh.torch_device).view((call.num_local,) + (1,) * ndim)
