@@ -27,5 +27,5 @@ __all__ = [
     "to_global", "call_with_layout", "default_mesh", "get_default_mesh", "zeros", "ones", "empty", "fill", "full",
     "zeros_like", "ones_like", "random", "cache_stats", "LayoutError", "IndivisibleError", "MeshMismatchError",
     "MixedTensorError", "UnsupportedOpError", "DTensorDataset", "create_dtensor_iterable",
-    "LayoutMap", "distribute_module", "Strategy",
+    "LayoutMap", "distribute_module", "Strategy", "visualize",
 ]

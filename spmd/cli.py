@@ -1,4 +1,5 @@
-"""The `spmd` command: `spmd demo` is a guided tour of meshes, layouts, DTensors and SPMD expansion."""
+"""The `spmd` command: `spmd demo` trains a GPT with data + tensor parallelism; `spmd tour` is a guided tour of
+meshes, layouts, DTensors and SPMD expansion."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def _from_array(values, layout: Layout) -> spmd.DTensor:
     return spmd.relayout(replicated, layout)
 
 
-def demo(args) -> int:
+def tour(args) -> int:
     console = Console()
     devices = [f"CPU:{i}" for i in range(6)]  # virtual CPU devices: any number, nothing to configure
     console.rule("[bold]1. Meshes: named grids of devices")
@@ -89,14 +90,41 @@ def _train(console: Console, steps: int) -> None:
     console.print(f"parameters keep their layouts: {[spmd.fetch_layout(p).sharding_specs for p in params]}")
 
 
+def demo(args) -> int:
+    from spmd.demo.train import DemoArgs, run
+    fields = {k: v for k, v in vars(args).items() if k in DemoArgs.__dataclass_fields__}
+    result = run(DemoArgs(**fields), Console())
+    return 0 if result.get("parity", True) else 1
+
+
 def main(argv=None) -> int:
+    from spmd.demo.train import DemoArgs
+    defaults = DemoArgs()
     parser = argparse.ArgumentParser(prog="spmd", description=__doc__)
     parser.add_argument("--version", action="version", version=f"spmd {spmd.__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
-    tour = commands.add_parser("demo", help="a guided tour of meshes, layouts, DTensors and SPMD expansion")
-    tour.add_argument("--steps", type=int, default=5, help="training steps in the last section")
+    train = commands.add_parser("demo", help="train a small GPT with data + tensor parallelism on virtual devices "
+                                             "and check the loss curve against a single-device run")
+    train.add_argument("--mesh", default=defaults.mesh, help="mesh dims, e.g. 'batch=4,model=2' (default) or "
+                                                            "'batch=8'; 'model' shards the weights (Megatron)")
+    train.add_argument("--steps", type=int, default=defaults.steps)
+    train.add_argument("--batch-size", type=int, default=defaults.batch_size, help="global batch (sequences)")
+    train.add_argument("--block-size", type=int, default=defaults.block_size, help="sequence length")
+    train.add_argument("--n-layer", type=int, default=defaults.n_layer)
+    train.add_argument("--n-head", type=int, default=defaults.n_head)
+    train.add_argument("--d-model", type=int, default=defaults.d_model)
+    train.add_argument("--dropout", type=float, default=defaults.dropout,
+                       help="with dropout the check compares against a 1-device mesh (layout-invariant RNG)")
+    train.add_argument("--lr", type=float, default=defaults.lr)
+    train.add_argument("--device", choices=["cpu", "cuda"], default=defaults.device,
+                       help="where the components live (cuda: virtual devices share the GPU)")
+    train.add_argument("--seed", type=int, default=defaults.seed)
+    train.add_argument("--no-check", dest="check", action="store_false",
+                       help="skip the single-device run that checks the loss curve")
+    guided = commands.add_parser("tour", help="a guided tour of meshes, layouts, DTensors and SPMD expansion")
+    guided.add_argument("--steps", type=int, default=5, help="training steps in the last section")
     args = parser.parse_args(argv)
-    return demo(args)
+    return demo(args) if args.command == "demo" else tour(args)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,1 @@
+"""`spmd demo`: train a small GPT on a bundled corpus with data and tensor (Megatron) parallelism."""
