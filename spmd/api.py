@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from spmd import redistribute
+from spmd.collectives import backend_for
 from spmd.dtensor import DTensor, make
 from spmd.errors import LayoutError
 from spmd.layout import MATCH, UNSHARDED, Layout
@@ -76,30 +77,71 @@ class _Relayout(torch.autograd.Function):
         return _Relayout.apply(grad, ctx.source), None
 
 
+def _distribute(value: torch.Tensor, layout: Layout) -> DTensor:
+    """A plain global value -> a DTensor: each device keeps its shard (one copy per shard, never an alias)."""
+    mesh = layout.mesh
+    value = value.detach().to(mesh.torch_device)
+    replicated = value.unsqueeze(0).expand((mesh.num_local_devices(),) + tuple(value.shape))
+    steps = redistribute.plan_on(mesh, (None,) * layout.rank, layout.axes)
+    # collectives return fresh memory; without steps, copy so the DTensor never aliases `value`
+    local = redistribute.run(replicated, mesh, steps) if steps else replicated.clone(
+        memory_format=torch.contiguous_format)
+    return make(local, layout)
+
+
+def _assemble(tensor: DTensor) -> torch.Tensor:
+    layout = tensor._layout
+    return backend_for(layout.mesh).assemble(tensor._local, layout.mesh, layout.axes)
+
+
 class _CopyToMesh(torch.autograd.Function):
-    """A plain tensor -> a DTensor: each device keeps its shard of the (replicated) value."""
+    """A plain tensor -> a DTensor; the gradient is the global value of the DTensor's gradient."""
 
     @staticmethod
     def forward(ctx, tensor: torch.Tensor, layout: Layout):
-        mesh = layout.mesh
-        value = tensor.detach().to(mesh.torch_device)
-        replicated = value.unsqueeze(0).expand((mesh.num_local_devices(),) + tuple(value.shape))
-        steps = redistribute.plan_on(mesh, (None,) * layout.rank, layout.axes)
-        # collectives return fresh memory; without steps, copy so the DTensor never aliases `tensor`
-        local = redistribute.run(replicated, mesh, steps) if steps else replicated.clone(
-            memory_format=torch.contiguous_format)
         ctx.device = tensor.device
-        return make(local, layout)
+        return _distribute(tensor, layout)
 
     @staticmethod
     def backward(ctx, grad):
-        return to_global(grad).to(ctx.device), None
+        return _assemble(grad).to(ctx.device), None
+
+
+class _ToGlobal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor: DTensor):
+        ctx.layout = tensor._layout
+        return _assemble(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _distribute(grad, ctx.layout)
+
+
+class _CrossMesh(torch.autograd.Function):
+    """A DTensor onto another mesh: its shards are assembled once and each target shard is cut once."""
+
+    @staticmethod
+    def forward(ctx, tensor: DTensor, layout: Layout):
+        ctx.source = tensor._layout
+        return _distribute(_assemble(tensor), layout)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _distribute(_assemble(grad), ctx.source), None
 
 
 def to_global(tensor: DTensor) -> torch.Tensor:
-    """The global value of a DTensor as a plain tensor on the mesh's device (gathers every shard)."""
-    replicated = Layout.replicated(tensor._layout.mesh, tensor.dim())
-    return relayout(tensor, replicated)._local[0] if tensor._layout != replicated else tensor._local[0]
+    """The global value of a DTensor as a plain tensor on the mesh's device (differentiable; each shard is
+    copied once).
+
+    >>> mesh = create_mesh([("x", 2), ("y", 2)])
+    >>> to_global(copy_to_mesh(torch.arange(8).reshape(2, 4), Layout(["x", "y"], mesh))).tolist()
+    [[0, 1, 2, 3], [4, 5, 6, 7]]
+    """
+    if not isinstance(tensor, DTensor):
+        raise TypeError(f"to_global expects a DTensor, got {type(tensor).__name__}")
+    return _ToGlobal.apply(tensor)
 
 
 def _resolve(tensor: DTensor, layout: Layout) -> Layout:
@@ -139,7 +181,7 @@ def relayout(tensor: DTensor, layout: Layout, name: str | None = None) -> DTenso
                         "use spmd.copy_to_mesh(tensor, layout)")
     layout = _resolve(tensor, layout)
     if layout.mesh != tensor._layout.mesh:
-        return _CopyToMesh.apply(to_global(tensor), layout)
+        return _CrossMesh.apply(tensor, layout)
     if layout == tensor._layout:
         return tensor
     return _Relayout.apply(tensor, layout)

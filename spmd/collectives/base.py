@@ -31,3 +31,8 @@ class Collectives(abc.ABC):
     @abc.abstractmethod
     def reduce_scatter(self, x: torch.Tensor, mesh, mesh_dim: str, axis: int, op: str = "sum") -> torch.Tensor:
         """Reduces along `mesh_dim` and leaves each device its block of tensor axis `axis`."""
+
+    @abc.abstractmethod
+    def assemble(self, x: torch.Tensor, mesh, axes: tuple) -> torch.Tensor:
+        """The global value (a plain tensor) of stacked components laid out by per-axis mesh dims `axes`;
+        each shard is copied once."""

@@ -79,3 +79,16 @@ class InProcessCollectives(Collectives):
         total = _reduce(grid, (d,), op).squeeze(d)
         out = self._split(total, nm, d, axis, grid.shape[d])
         return out.reshape((x.shape[0],) + tuple(out.shape[nm:]))
+
+    def assemble(self, x, mesh, axes):
+        grid, nm = _grid(x, mesh), len(mesh.shape())
+        # one replica of each shard: coordinate 0 along every mesh dim that shards nothing
+        grid = grid[tuple(slice(None) if name in axes else 0 for name in mesh.dim_names)]
+        used = [name for name in mesh.dim_names if name in axes]  # the remaining mesh axes, in mesh order
+        order, shape = [], []
+        for a, m in enumerate(axes):  # each sharded tensor axis becomes (shard index, block)
+            if m is not None:
+                order.append(used.index(m))
+            order.append(len(used) + a)
+            shape.append(x.shape[a + 1] * (mesh.dim_size(m) if m is not None else 1))
+        return grid.permute(order).reshape(shape)
