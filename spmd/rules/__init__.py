@@ -27,18 +27,25 @@ def register(*ops):
 def lookup(func):
     """The rule for `func`, or None (the dispatcher then tries a replicated fallback or raises)."""
     rule = _RULES.get(func)
-    if rule is None and (torch.Tag.pointwise in func.tags or _pointwise_inplace(func)):
+    if rule is None and (torch.Tag.pointwise in func.tags or _pointwise_family(func)):
         from spmd.rules.pointwise import pointwise_rule
         rule = _RULES[func] = pointwise_rule
     return rule
 
 
-def _pointwise_inplace(func) -> bool:
-    """`masked_fill_.Scalar` and others are not tagged pointwise, but their out-of-place overload is."""
+def _pointwise_family(func) -> bool:
+    """Untagged ops of the pointwise family: in-place overloads of pointwise ops (`masked_fill_.Scalar`) and the
+    gradients of elementwise maps with one output (`softplus_backward`: the derivative is elementwise too)."""
     name = func._schema.name.split("::")[-1]
-    packet = getattr(torch.ops.aten, name[:-1], None) if name.endswith("_") else None
-    functional = getattr(packet, func._overloadname, None) if packet is not None else None
-    return functional is not None and torch.Tag.pointwise in functional.tags
+    if name.endswith("_"):
+        packet = getattr(torch.ops.aten, name[:-1], None)
+        functional = getattr(packet, func._overloadname, None) if packet is not None else None
+        return functional is not None and torch.Tag.pointwise in functional.tags
+    if name.endswith("_backward") and len(func._schema.returns) == 1:
+        forward = getattr(torch.ops.aten, name[:-len("_backward")], None)
+        return forward is not None and any(torch.Tag.pointwise in getattr(forward, o).tags
+                                           for o in forward.overloads())
+    return False
 
 
 def registered_ops() -> list:

@@ -14,7 +14,7 @@ import torch
 
 from spmd.rules import _RULES, register
 from spmd.rules.common import Decision, OpCall, generic_kernel, norm_dim, unsupported
-from spmd.rules.reduction import arg
+from spmd.rules.reduction import arg, arg_index
 
 aten = torch.ops.aten
 
@@ -286,3 +286,63 @@ def inplace_view_rule(call: OpCall) -> Decision:
         target._key = (layout, tuple(target.shape), target.dtype)
         return target
     return Decision(decision.inputs, decision.outputs, kernel, inplace=True)
+
+
+def _whole(spec, dims) -> tuple:
+    return tuple(None if i in dims else m for i, m in enumerate(spec.axes))
+
+
+@register(aten.constant_pad_nd.default)
+def pad_rule(call: OpCall) -> Decision:
+    """Padding moves the elements of the padded axes only (the trailing ones): those are whole on each device."""
+    spec, pad = call.specs[0], arg(call, "pad")
+    dims = {spec.rank - 1 - i // 2 for i in range(len(pad)) if pad[i]}
+    axes = _whole(spec, dims)
+    return Decision((axes,), (axes,), generic_kernel(call.func))
+
+
+@register(aten.roll.default, aten.flip.default)
+def roll_rule(call: OpCall) -> Decision:
+    """roll/flip move elements along their dims only (roll without dims: along the flattened tensor)."""
+    spec = call.specs[0]
+    given = arg(call, "dims")
+    dims = {norm_dim(d, spec.rank) for d in given} if given else set(range(spec.rank))
+    axes = _whole(spec, dims)
+    local = [norm_dim(d, spec.rank) + 1 for d in given] if given else None
+    if local is None:  # roll of the flattened tensor: roll each (whole) component flattened
+        shifts = arg(call, "shifts")
+        return Decision((axes,), (axes,), lambda l, a, k: l[0].flatten(1).roll(shifts, 1).view(l[0].shape))
+    return Decision((axes,), (axes,), generic_kernel(call.func, arg_overrides={
+        arg_index(call.func, "dims"): local}))
+
+
+@register(aten.repeat.default)
+def repeat_rule(call: OpCall) -> Decision:
+    """Tiling keeps the sharding of axes repeated once; tiled axes are whole (new leading axes unsharded)."""
+    spec, reps = call.specs[0], tuple(arg(call, "repeats"))
+    lead = len(reps) - spec.rank
+    axes = _whole(spec, {i for i in range(spec.rank) if reps[lead + i] != 1})
+    view = (call.num_local,) + (1,) * lead + call.local_shape(spec, axes)
+    return Decision((axes,), ((None,) * lead + axes,), lambda l, a, k: l[0].view(view).repeat((1,) + reps))
+
+
+@register(aten.index_select.default)
+def index_select_rule(call: OpCall) -> Decision:
+    """Rows picked along `dim` by replicated indices: that axis is whole on each device, others keep sharding."""
+    spec, index = call.specs
+    dim = norm_dim(arg(call, "dim"), spec.rank)
+    axes = _whole(spec, {dim})
+    return Decision((axes, (None,) * index.rank), (axes,),
+                    lambda l, a, k: l[0].index_select(dim + 1, l[1][0].reshape(-1)))
+
+
+@register(aten.index_add.default)
+def index_add_rule(call: OpCall) -> Decision:
+    """index_select's gradient: rows of `source` added at replicated indices along `dim`, which is whole on each
+    device; other axes are sharded alike in self and source (their sizes agree)."""
+    self_, index, source = call.specs
+    dim = norm_dim(arg(call, "dim"), self_.rank)
+    axes = _merged([self_, source], skip=dim)
+    alpha = arg(call, "alpha", 1)
+    return Decision((axes, (None,) * index.rank, axes), (axes,),
+                    lambda l, a, k: l[0].index_add(dim + 1, l[1][0].reshape(-1), l[2], alpha=alpha))
