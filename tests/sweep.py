@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import random
 
 import torch
 
@@ -142,13 +143,15 @@ def _loss(outs, weights):
     return total
 
 
-def check_op(fn, inputs, mesh=MESH, grad: bool = True, layouts=None, max_failures: int = 5) -> int:
+def check_op(fn, inputs, mesh=MESH, grad: bool = True, layouts=None, sample: int | None = None,
+             max_failures: int = 5) -> int:
     """Runs `fn` on DTensors for every combination of valid layouts of the tensor `inputs` and compares values
     (and, for floating outputs, the gradients of floating inputs) with `fn` on plain tensors.
 
     `inputs`: tensors (distributed), `Const(t)` (distributed, not differentiated), `Plain(t)` (passed as a plain
     tensor), or other values (passed as they are).
     `layouts`: optionally, per tensor input, the list of layouts to sweep (default: `all_layouts`).
+    `sample`: check only this many combinations, drawn (with a fixed seed) from all of them.
     Returns the number of layout combinations checked.
     """
     tensors = [x.value if isinstance(x, Const) else x for x in inputs if isinstance(x, (torch.Tensor, Const))]
@@ -167,7 +170,11 @@ def check_op(fn, inputs, mesh=MESH, grad: bool = True, layouts=None, max_failure
     sweeps = layouts or [all_layouts(mesh, t.shape) for t in tensors]
     failures = []
     count = 0
-    for combo in itertools.product(*sweeps):
+    combos = itertools.product(*sweeps)
+    if sample is not None and math.prod(len(s) for s in sweeps) > sample:
+        rng = random.Random(sum(len(s) for s in sweeps))
+        combos = list(dict.fromkeys(tuple(rng.choice(s) for s in sweeps) for _ in range(sample)))
+    for combo in combos:
         count += 1
         where = f"input layouts {[l.sharding_specs for l in combo]}"
         try:

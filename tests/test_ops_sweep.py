@@ -219,6 +219,21 @@ CASES = {
                               [rand(2, 2, 4, 2), rand(2, 2, 4, 2, seed=1), rand(2, 2, 4, 2, seed=2),
                                rand(2, 1, 4, 4, seed=3)],
                               [_Q[::4], _Q[::10], _Q[1::10], all_layouts(MESH, (2, 1, 4, 4))[::3]]),
+    "pad": (lambda x: F.pad(x, (1, 2)), [rand(4, 2, 4)]),
+    "pad_2d": (lambda x: F.pad(x, (0, 0, 2, 0), value=0.5), [rand(4, 2, 4)]),
+    "roll": (lambda x: torch.roll(x, 1, 0), [rand(4, 4)]),
+    "roll_flat": (lambda x: torch.roll(x, 3), [rand(4, 4)]),
+    "roll_dims": (lambda x: torch.roll(x, (1, -1), (0, 2)), [rand(4, 2, 4)]),
+    "flip": (lambda x: torch.flip(x, (0, -1)), [rand(4, 2, 4)]),
+    "repeat": (lambda x: x.repeat(2, 1), [rand(4, 4)]),
+    "repeat_new_axes": (lambda x: x.repeat(2, 1, 2), [rand(4, 4)]),
+    "index_select": (lambda x, i: x.index_select(0, i), [rand(4, 4), torch.tensor([0, 2, 3, 3])]),
+    "index_select_dim1": (lambda x, i: x.index_select(-1, i), [rand(4, 2, 4), torch.tensor([3, 1])]),
+    "softplus": (F.softplus, [rand(4, 4)]),
+    "elu": (F.elu, [rand(4, 4)]),
+    "leaky_relu": (F.leaky_relu, [rand(4, 4)]),
+    "hardtanh": (F.hardtanh, [rand(4, 4)]),
+    "mish": (F.mish, [rand(4, 4)]),
     "tril": (torch.tril, [rand(4, 4)]),
     "tril_batched": (lambda x: torch.tril(x, diagonal=-1), [rand(2, 4, 4)]),
     "triu": (lambda x: torch.triu(x, 1), [rand(4, 4)]),
@@ -242,6 +257,19 @@ CASES = {
 def test_op(case):
     fn, inputs, *layouts = case
     assert check_op(fn, inputs, layouts=layouts[0] if layouts else None) >= 1
+
+
+MESH_2x4 = spmd.create_mesh([("x", 2), ("y", 4)])
+MESH_2x2x2 = spmd.create_mesh([("a", 2), ("b", 2), ("c", 2)])
+
+
+@pytest.mark.parametrize("mesh", [MESH_2x4, MESH_2x2x2], ids=["2x4", "2x2x2"])
+@pytest.mark.parametrize("case", [pytest.param(v.values[0], id=k, marks=v.marks) if hasattr(v, "marks")
+                                  else pytest.param(v, id=k) for k, v in CASES.items()])
+def test_op_other_meshes(case, mesh):
+    """The same ops on meshes with more or larger dims, on a sample of the layout combinations."""
+    fn, inputs, *_ = case
+    assert check_op(fn, inputs, mesh=mesh, sample=6) >= 1
 
 
 # -- a transformer block end to end -------------------------------------------------------------------------------
@@ -423,8 +451,8 @@ TF_LAYOUTS = [  # (name, op, [(shape, specs) per input], expected output specs)
     ("embedding [U,y] idx[x]", lambda t, i: F.embedding(i, t), [((8, 4), "Uy"), ((4,), "x")], "xy"),
     ("embedding [x,y] idx[U]", lambda t, i: F.embedding(i, t), [((8, 4), "xy"), ((4,), "U")], "Uy"),
     # Where spmd deliberately differs from TF (values are the same; see each note):
-    # TF keeps [x,y] (an inferred all-reduce on the softmax axis); spmd gathers the softmax axis.
-    ("softmax [x,y] (TF: [x,y])", lambda a: a.softmax(-1), [((4, 4), "xy")], "xU"),
+    # TF keeps [x,y] (an inferred all-reduce on the softmax axis); so does spmd (rules/vocab_parallel.py).
+    ("softmax [x,y] (TF: [x,y])", lambda a: a.softmax(-1), [((4, 4), "xy")], "xy"),
     # TF merges the concat axis too (x then claims two axes and is dropped); spmd merges the other axes only.
     ("cat [U,x,y]+[x,U,U] (TF: [U,U,y])", lambda a, b: torch.cat([a, b], 1),
      [((4, 4, 4), "Uxy"), ((4, 4, 4), "xUU")], "xUy"),
