@@ -81,6 +81,7 @@ def train_spmd(model: GPT, mesh: spmd.Mesh, args: DemoArgs, data, console: Conso
     progress = Progress(TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(),
                         TextColumn("loss {task.fields[loss]:.4f}  {task.fields[rate]:,.0f} tokens/s"),
                         TimeRemainingColumn(), console=console, transient=False, disable=console is None)
+    torch.manual_seed(args.seed + 1)  # dropout draws its seeds from torch's generator: same stream every run
     start = time.perf_counter()
     with progress:
         task = progress.add_task("train", total=args.steps, loss=float("nan"), rate=0.0)
@@ -99,6 +100,7 @@ def train_plain(model: GPT, args: DemoArgs, data) -> tuple[list[float], float]:
     positions = torch.arange(args.block_size, device=next(model.parameters()).device)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     losses = []
+    torch.manual_seed(args.seed + 1)
     start = time.perf_counter()
     for x, y in batches(data, args.steps, args.batch_size, args.block_size, args.seed):
         loss = model(x.to(positions.device), positions, y.to(positions.device))

@@ -1,0 +1,34 @@
+"""`spmd demo` and `spmd tour`, in small configurations (the full demo runs in CI as the README's first command)."""
+
+import io
+
+import pytest
+from rich.console import Console
+
+from spmd import cli
+from spmd.demo.train import DemoArgs, parse_mesh, run
+
+
+def _quiet():
+    return Console(file=io.StringIO(), width=120)
+
+
+@pytest.mark.parametrize("mesh,dropout", [("batch=4,model=2", 0.0), ("batch=2", 0.1), ("model=2", 0.0)])
+def test_demo_loss_curve_matches_single_device(mesh, dropout):
+    result = run(DemoArgs(mesh=mesh, steps=3, batch_size=8, block_size=16, d_model=32, dropout=dropout),
+                 _quiet())
+    assert result["parity"], result
+    assert len(result["losses"]) == 3 and result["tokens_per_s"] > 0
+
+
+def test_parse_mesh():
+    assert parse_mesh("batch=4,model=2") == [("batch", 4), ("model", 2)]
+    with pytest.raises(ValueError, match="batch=4,model=2"):
+        parse_mesh("batch:4")
+
+
+def test_cli_entry_points(capsys):
+    assert cli.main(["demo", "--steps", "2", "--batch-size", "8", "--block-size", "16", "--mesh", "batch=2"]) == 0
+    assert cli.main(["tour", "--steps", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "loss curves" in out and "equal" in out and "SPMD expansion" in out
