@@ -300,7 +300,9 @@ def _to_torch_device(device: str) -> torch.device:
     if kind == "CPU":
         return torch.device("cpu")
     if kind == "GPU":
-        return torch.device("cuda", int(index))
+        # like TF's logical GPUs: more GPU devices than CUDA devices are virtual devices sharing them
+        count = torch.cuda.device_count()
+        return torch.device("cuda", int(index) % count if count else int(index))
     raise NotImplementedError(f"spmd has no torch backend for {kind} devices ({device})")
 
 
