@@ -13,6 +13,7 @@ import torch
 from spmd import foreach, redistribute
 from spmd.dtensor import DTensor
 from spmd.errors import MeshMismatchError, MixedTensorError, UnsupportedOpError
+from spmd.layout import Layout
 from spmd.rules import lookup
 from spmd.rules.common import OpCall, TensorSpec
 
@@ -77,7 +78,9 @@ def dispatch(cls, func, types, args=(), kwargs=None):
     except MixedTensorError:
         if foreach.is_foreach(func):  # e.g. per-parameter scalars given as one plain tensor
             return foreach.run(func, args, kwargs or {})
-        return _copy_from_plain(func, args, kwargs)
+        if func is torch.ops.aten.copy_.default and isinstance(args[0], DTensor):
+            return _copy_from_plain(func, args, kwargs)
+        raise
     key = tuple(key)
     plan = _CACHE.get(key)
     if plan is None:
@@ -101,12 +104,7 @@ def _miss(key, func, args, kwargs, tensors) -> "_Plan":
 
 
 def _copy_from_plain(func, args, kwargs):
-    """`dtensor.copy_(plain)` (e.g. `load_state_dict` from a plain checkpoint) distributes the value first;
-    any other op mixing a plain non-scalar tensor with DTensors re-raises the MixedTensorError."""
-    if func is not torch.ops.aten.copy_.default or not isinstance(args[0], DTensor):
-        tensors: list = []
-        for a in list(args) + list((kwargs or {}).values()):
-            _sig(a, tensors)
+    """`dtensor.copy_(plain)` (e.g. `load_state_dict` from a plain checkpoint) distributes the value first."""
     from spmd.api import copy_to_mesh
     src = args[1].expand(args[0].shape)
     return dispatch(DTensor, func, (), (args[0], copy_to_mesh(src, args[0]._layout)) + tuple(args[2:]), kwargs)
@@ -195,7 +193,6 @@ def _make_plan(func, args, kwargs, tensors) -> _Plan:
 
 
 def _plan_from_decision(decision, call, tensors) -> _Plan:
-    from spmd.layout import Layout
     mesh = call.mesh
     in_steps = []
     for i, (t, want) in enumerate(zip(tensors, decision.inputs)):
@@ -229,9 +226,9 @@ def _fallback_plan(call: OpCall, tensors) -> _Plan:
     if not schema.returns or any(str(r.type) != "Tensor" for r in schema.returns):
         raise unsupported(call, "its outputs are not plain tensors")
     metas = [torch.empty(s.shape, dtype=s.dtype, device="meta") for s in call.specs]
+    meta_args, meta_kwargs = replace_tensors(call.args, call.kwargs, metas)
     try:
-        out = func(*replace_tensors(call.args, call.kwargs, metas)[0], **replace_tensors(call.args, call.kwargs,
-                                                                                           metas)[1])
+        out = func(*meta_args, **meta_kwargs)
     except Exception as e:  # no meta kernel: we cannot tell the output shape without running it
         raise unsupported(call, f"it has no meta implementation ({type(e).__name__})") from None
     single = len(schema.returns) == 1
