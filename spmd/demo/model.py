@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -30,17 +29,14 @@ class Attention(nn.Module):
         self.q, self.k, self.v = (nn.Linear(cfg.d_model, cfg.d_model) for _ in range(3))
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
         self.drop = nn.Dropout(cfg.dropout)
-        self.register_buffer("causal", torch.tril(torch.ones(cfg.block_size, cfg.block_size)).view(
-            1, 1, cfg.block_size, cfg.block_size), persistent=False)
 
     def forward(self, x):
         b, t, c = x.shape
         q, k, v = (f(x).view(b, t, self.n_head, c // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
                    for f in (self.q, self.k, self.v))
-        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.shape[-1]))  # (B, nh, T, T)
-        att = att.masked_fill(self.causal[:, :, :t, :t] == 0, float("-inf"))
-        att = self.drop(F.softmax(att, dim=-1))
-        y = (att @ v).transpose(1, 2).contiguous().view(b, t, c)  # (B, T, C)
+        # one fused op: batch and head axes keep their sharding (a 4-D matmul would merge them into one axis)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
+        y = y.transpose(1, 2).contiguous().view(b, t, c)  # (B, T, C)
         return self.drop(self.proj(y))
 
 
