@@ -18,10 +18,10 @@ import torch
 from torch import nn
 
 from spmd.api import copy_to_mesh
-from spmd.creation import empty, zeros
+from spmd.creation import empty
 from spmd.dtensor import DTensor
 from spmd.errors import IndivisibleError, LayoutError
-from spmd.layout import UNSHARDED, Layout
+from spmd.layout import Layout
 from spmd.mesh import Mesh
 from spmd.scope import default_mesh
 from spmd.variable import DVariable

@@ -81,7 +81,7 @@ class InProcessCollectives(Collectives):
         return out.reshape((x.shape[0],) + tuple(out.shape[nm:]))
 
     def assemble(self, x, mesh, axes):
-        grid, nm = _grid(x, mesh), len(mesh.shape())
+        grid = _grid(x, mesh)
         # one replica of each shard: coordinate 0 along every mesh dim that shards nothing
         grid = grid[tuple(slice(None) if name in axes else 0 for name in mesh.dim_names)]
         used = [name for name in mesh.dim_names if name in axes]  # the remaining mesh axes, in mesh order

@@ -37,7 +37,7 @@ def layer_norm_rule(call: OpCall) -> Decision:
 
 @register(aten.native_layer_norm_backward.default)
 def layer_norm_backward_rule(call: OpCall) -> Decision:
-    grad, x = call.specs[0], call.specs[1]
+    x = call.specs[1]
     normalized, _, _, weight, bias, mask = call.args[2:8]
     n = len(normalized)
     axes = x.axes[:x.rank - n] + (None,) * n
@@ -157,7 +157,7 @@ def nll_loss_rule(call: OpCall) -> Decision:
 
 @register(aten.nll_loss_backward.default)
 def nll_loss_backward_rule(call: OpCall) -> Decision:
-    grad, x, target = call.specs[0], call.specs[1], call.specs[2]
+    x = call.specs[1]
     weight, reduction, ignore_index = call.args[3:6]
     batch = x.axes[0] if x.rank == 2 else None
     x_axes = (batch, None) if x.rank == 2 else (None,)

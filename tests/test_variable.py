@@ -1,0 +1,187 @@
+"""DVariable with nn.Module and torch.optim, and the gradient layouts of DTensor leaves (reference §1.8)."""
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+import spmd
+from spmd import (UNSHARDED, DTensor, DVariable, Layout, copy_to_mesh,
+                  create_mesh, fetch_layout, is_dtensor, relayout, unpack)
+
+U = UNSHARDED
+
+
+def gather(t: DTensor) -> torch.Tensor:
+    """The global value of a DTensor (through spmd's own relayout to replicated)."""
+    return spmd.to_global(t).detach()
+
+
+def components(t: DTensor) -> list:
+    return [c.tolist() for c in unpack(t)]
+
+
+@pytest.fixture(scope="module")
+def mesh22():
+    return create_mesh([("x", 2), ("y", 2)])
+
+
+# -- DVariable ---------------------------------------------------------------------------------------------------
+@pytest.fixture
+def xy(mesh22):
+    return Layout(["x", "y"], mesh22)
+
+
+def test_dvariable_from_a_dtensor(xy):
+    d = copy_to_mesh(torch.arange(16.0).reshape(4, 4), xy)
+    v = DVariable(d)
+    assert fetch_layout(v) == xy and torch.equal(gather(v), gather(d))
+    assert is_dtensor(v) and isinstance(v, DTensor)
+    assert isinstance(v, torch.nn.Parameter)
+    assert v.requires_grad and v.is_leaf
+    assert DVariable(d, layout=xy).shape == (4, 4)  # an equal layout is fine
+    assert not DVariable(d, requires_grad=False).requires_grad
+
+
+def test_dvariable_from_a_plain_value_with_layout(xy):
+    for value in (torch.ones(4, 4), np.ones((4, 4), dtype=np.float32), lambda: torch.ones(4, 4)):
+        v = DVariable(value, layout=xy)
+        assert fetch_layout(v) == xy and torch.equal(gather(v), torch.ones(4, 4))
+    assert DVariable(torch.ones(4, 4), layout=xy, dtype=torch.float64).dtype == torch.float64
+
+
+def test_dvariable_errors(xy, mesh22):
+    d = copy_to_mesh(torch.ones(4, 4), xy)
+    with pytest.raises(ValueError, match="Conflicting layout"):
+        DVariable(d, layout=Layout.replicated(mesh22, 2))
+    with pytest.raises(ValueError, match="Neither layout nor DTensor initial value are provided"):
+        DVariable(torch.ones(4, 4))
+
+
+def test_dvariable_assign(xy, mesh22):
+    v = DVariable(torch.zeros(4, 4), layout=xy)
+    local = v._local
+    assert v.assign(spmd.ones((4, 4), layout=xy)) is v
+    assert torch.equal(gather(v), torch.ones(4, 4))
+    v.assign_add(spmd.fill((4, 4), 2.0, layout=xy))
+    assert torch.equal(gather(v), torch.full((4, 4), 3.0))
+    v.assign_sub(spmd.ones((4, 4), layout=xy))
+    assert torch.equal(gather(v), torch.full((4, 4), 2.0))
+    v.assign(5.0)  # a Python scalar is broadcast
+    assert torch.equal(gather(v), torch.full((4, 4), 5.0))
+    v.assign_add(torch.tensor(1.0))  # so is a 0-d tensor
+    assert torch.equal(gather(v), torch.full((4, 4), 6.0))
+    assert fetch_layout(v) == xy and v._local is local  # in place, same layout
+    r = v.read_value()
+    assert not isinstance(r, DVariable) and fetch_layout(r) == xy and torch.equal(gather(r), gather(v))
+    v.assign(0.0)
+    assert torch.equal(gather(r), torch.full((4, 4), 6.0))  # read_value is a copy
+
+
+def test_dvariable_assign_errors(xy, mesh22):
+    v = DVariable(torch.zeros(4, 4), layout=xy)
+    with pytest.raises(ValueError, match=r"layout \['unsharded', 'unsharded'\]"):
+        v.assign(copy_to_mesh(torch.ones(4, 4), Layout.replicated(mesh22, 2)))
+    other_mesh = create_mesh([("x", 2), ("y", 2)], mesh_name="other")
+    with pytest.raises(ValueError, match="mesh"):
+        v.assign(copy_to_mesh(torch.ones(4, 4), Layout(["x", "y"], other_mesh)))
+    with pytest.raises(ValueError, match="mesh"):
+        v.assign_add(copy_to_mesh(torch.ones(4, 4), Layout(["x", "y"], other_mesh)))
+    with pytest.raises(ValueError, match=r"shape \[4, 8\]"):
+        v.assign(copy_to_mesh(torch.ones(4, 8), xy))
+    for plain in (torch.ones(4, 4), np.ones((4, 4)), [[1.0] * 4] * 4):
+        with pytest.raises(TypeError, match="copy_to_mesh"):
+            v.assign(plain)
+    with pytest.raises(TypeError):
+        v.assign_sub(torch.ones(4, 4))
+    assert torch.equal(gather(v), torch.zeros(4, 4)) and fetch_layout(v) == xy
+
+
+def test_dvariable_in_nn_module(xy):
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = DVariable(torch.ones(4, 4), layout=xy)
+
+    model = Model()
+    params = dict(model.named_parameters())
+    assert list(params) == ["w"] and params["w"] is model.w
+    assert isinstance(model.w, DVariable)
+    assert "w" in model.state_dict()
+    clone = copy.deepcopy(model)
+    assert isinstance(clone.w, DVariable) and fetch_layout(clone.w) == xy and clone.w is not model.w
+    assert torch.equal(gather(clone.w), gather(model.w))
+
+
+def test_dvariable_gradient_has_its_layout(xy, mesh22):
+    w = DVariable(torch.ones(4, 4), layout=xy)
+    x = copy_to_mesh(torch.arange(16.0).reshape(4, 4), Layout(["x", U], mesh22))
+    (x @ w).sum().backward()
+    assert fetch_layout(w.grad) == xy
+    expected = torch.arange(16.0).reshape(4, 4).T @ torch.ones(4, 4)
+    assert torch.allclose(gather(w.grad), expected)
+
+
+OPTIMIZERS = [
+    ("SGD", lambda p, fe: torch.optim.SGD(p, lr=0.1, momentum=0.9, foreach=fe)),
+    ("Adam", lambda p, fe: torch.optim.Adam(p, lr=0.05, foreach=fe)),
+    ("AdamW", lambda p, fe: torch.optim.AdamW(p, lr=0.05, weight_decay=0.1, foreach=fe)),
+]
+
+
+@pytest.mark.parametrize("foreach", [False, None], ids=["foreach=False", "default"])
+@pytest.mark.parametrize("name, make", OPTIMIZERS, ids=[n for n, _ in OPTIMIZERS])
+def test_optimizers_match_plain_torch(mesh22, name, make, foreach):
+    gen = torch.Generator().manual_seed(0)
+    W0, B0 = torch.randn(4, 4, generator=gen), torch.randn(4, generator=gen)
+    X, Y = torch.randn(8, 4, generator=gen), torch.randn(8, 4, generator=gen)
+    w_layout, b_layout = Layout([U, "y"], mesh22), Layout(["y"], mesh22)
+    w, b = DVariable(W0.clone(), layout=w_layout), DVariable(B0.clone(), layout=b_layout)
+    pw, pb = torch.nn.Parameter(W0.clone()), torch.nn.Parameter(B0.clone())
+    opt, popt = make([w, b], foreach), make([pw, pb], foreach)
+    x, y = copy_to_mesh(X, Layout(["x", U], mesh22)), copy_to_mesh(Y, Layout(["x", U], mesh22))
+    storage = (w._local, b._local)
+    for _ in range(4):
+        opt.zero_grad()
+        loss = ((x @ w + b - y) ** 2).mean()
+        loss.backward()
+        opt.step()
+        popt.zero_grad()
+        ploss = ((X @ pw + pb - Y) ** 2).mean()
+        ploss.backward()
+        popt.step()
+        assert torch.allclose(gather(loss), ploss.detach(), atol=1e-5)
+    assert isinstance(w, DVariable) and fetch_layout(w) == w_layout and fetch_layout(b) == b_layout
+    assert w._local is storage[0] and b._local is storage[1]  # updated in place
+    assert torch.allclose(gather(w), pw.detach(), atol=1e-5)
+    assert torch.allclose(gather(b), pb.detach(), atol=1e-5)
+    for state in opt.state.values():  # optimizer state is distributed like the parameter
+        for value in state.values():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                assert is_dtensor(value)
+
+
+# -- gradients of DTensor leaves ---------------------------------------------------------------------------------
+LEAF_LOSSES = [  # (name, loss of a DTensor on mesh m, the same loss in plain torch)
+    ("square", lambda t, m: (t * t).sum(), lambda t: (t * t).sum()),
+    ("relayout", lambda t, m: relayout(t, Layout.replicated(m, 2)).sum(), lambda t: t.sum()),
+    ("matmul", lambda t, m: (t @ copy_to_mesh(torch.ones(4, 4), Layout(["x", U], m))).sum(),
+     lambda t: (t @ torch.ones(4, 4)).sum()),
+    ("reduce", lambda t, m: (t.sum(0) ** 2).sum(), lambda t: (t.sum(0) ** 2).sum()),
+    ("relayout-mean", lambda t, m: (relayout(t, Layout(["y", "x"], m)) * 2).mean(), lambda t: (t * 2).mean()),
+]
+
+
+@pytest.mark.parametrize("specs", [["x", "y"], ["y", "x"], ["x", U], [U, U]])
+@pytest.mark.parametrize("name, loss, plain_loss", LEAF_LOSSES, ids=[n for n, _, _ in LEAF_LOSSES])
+def test_leaf_gradient_has_the_leaf_layout(mesh22, specs, name, loss, plain_loss):
+    layout = Layout(specs, mesh22)
+    value = torch.arange(16.0).reshape(4, 4)
+    leaf = copy_to_mesh(value, layout).requires_grad_()
+    assert leaf.is_leaf and leaf.requires_grad
+    loss(leaf, mesh22).backward()
+    assert is_dtensor(leaf.grad) and fetch_layout(leaf.grad) == layout
+    reference = value.clone().requires_grad_()
+    plain_loss(reference).backward()
+    assert torch.allclose(gather(leaf.grad), reference.grad)
