@@ -4,7 +4,7 @@ A `Mesh` of devices with named dimensions, a `Layout` per tensor saying how each
 DTensors that behave as one global `torch.Tensor` while each device holds only its component.
 """
 
-from spmd import random
+from spmd import checkpoint, random
 from spmd.api import copy_to_mesh, relayout, relayout_like, to_global
 from spmd.creation import call_with_layout, empty, fill, full, ones, ones_like, zeros, zeros_like
 from spmd.data import DTensorDataset, create_dtensor_iterable

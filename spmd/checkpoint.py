@@ -1,0 +1,548 @@
+"""Sharded checkpoints that reshard on load, in `torch.distributed.checkpoint`'s (DCP) format.
+
+`save(state_dict, path)` writes every distinct shard of every DTensor exactly once (the device holding the first
+replica of a shard writes it) plus plain tensors and Python values; `load(state_dict, path)` fills the given
+state dict in place, each tensor in ITS layout: any mesh, layout or number of devices, or plain tensors. The
+files are an ordinary DCP checkpoint, so plain PyTorch reads them with `torch.distributed.checkpoint.load`.
+
+How it plugs into DCP: `SavePlanner` and `LoadPlanner` extend DCP's default planners. For a DTensor they plan
+one write item per shard this client must write and one chunk per distinct shard its devices hold; DCP's own
+resharding (`create_read_items_for_chunk_list`) computes which pieces of which saved chunks fill each chunk.
+Which shards are this client's follows only from `mesh.local_device_ids()` and the layout (`local_blocks`), so
+with several processes each writes and reads only the shards of its own devices. A block read once is copied
+to the other local devices that hold a replica of it.
+
+`nn.Module`s, optimizers and other objects with `state_dict()`/`load_state_dict()` (LR schedulers) may stand in
+the state dict: they are saved as their `state_dict()` and restored with `load_state_dict()`; an optimizer that
+has not stepped yet gets its state tensors from the checkpoint (laid out like their parameters).
+
+A save writes into a hidden temporary directory next to `path` and renames it into place only after DCP has
+written every shard and the metadata, so an interrupted save never leaves a `path` that loads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import shutil
+import uuid
+import warnings
+from pathlib import Path
+from typing import Mapping, MutableMapping
+
+import torch
+
+from spmd.dtensor import DTensor
+from spmd.layout import Layout
+
+__all__ = ["save", "load", "is_checkpoint", "SavePlanner", "LoadPlanner", "Block", "local_blocks"]
+
+_METADATA = ".metadata"  # the file DCP's FileSystemWriter writes last
+
+
+# -- which shards are this client's -------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Block:
+    """One distinct shard of a DTensor held by this client's devices.
+
+    `offsets`/`sizes`: the block in global coordinates. `positions`: the positions in `t._local` (i.e. in
+    `mesh.local_device_ids()` order) of the local devices holding it, the first one being where it is read from
+    and written from. `writer`: True when one of them holds the block's first replica (coordinate 0 on every mesh
+    dimension the layout does not shard), that device being `positions[0]`; exactly one client writes each block.
+    """
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    positions: tuple[int, ...]
+    writer: bool
+
+
+def local_blocks(layout: Layout, shape) -> list[Block]:
+    """The distinct shards that this client's devices hold of a tensor of global `shape` with `layout`
+    (`mesh.local_device_ids()` decides which; a block's replicas on other clients are not listed).
+
+    >>> mesh = create_mesh([("x", 2), ("y", 2)])
+    >>> [(b.offsets, b.sizes, b.positions, b.writer) for b in local_blocks(Layout(["x", UNSHARDED], mesh), (4, 6))]
+    [((0, 0), (2, 6), (0, 1), True), ((2, 0), (2, 6), (2, 3), True)]
+    """
+    return list(_local_blocks(layout, tuple(shape)))
+
+
+@functools.lru_cache(maxsize=4096)
+def _local_blocks(layout: Layout, shape: tuple[int, ...]) -> tuple[Block, ...]:
+    mesh = layout.mesh
+    local_shape = layout.local_shape_from_global_shape(tuple(shape))
+    replicated = [mesh.axis_index(d) for d in mesh.dim_names if d not in layout.axes]
+    base = mesh.min_global_device_id()
+    found: dict[tuple[int, ...], list] = {}  # offsets -> [first-replica position or None, other positions]
+    for position, device in enumerate(mesh.local_device_ids()):
+        location = mesh.device_location(device - base)
+        index = [0 if axis is None else location[mesh.axis_index(axis)] for axis in layout.axes]
+        offsets = tuple(i * s for i, s in zip(index, local_shape))
+        entry = found.setdefault(offsets, [None, []])
+        if entry[0] is None and all(location[a] == 0 for a in replicated):
+            entry[0] = position
+        else:
+            entry[1].append(position)
+    blocks = []
+    for offsets, (first, others) in found.items():
+        positions = ((first,) if first is not None else ()) + tuple(sorted(others))
+        blocks.append(Block(offsets, tuple(local_shape), positions, first is not None))
+    return tuple(blocks)
+
+
+# -- the DCP planners -----------------------------------------------------------------------------------------------
+def _dcp():
+    """torch.distributed.checkpoint, imported on first use (it costs ~0.5 s; `import spmd` does not pay it)."""
+    import torch.distributed.checkpoint as dcp
+    return dcp
+
+
+def _planner_classes():
+    global _PLANNERS
+    if _PLANNERS is not None:
+        return _PLANNERS
+    from torch.distributed.checkpoint.default_planner import (DefaultLoadPlanner, DefaultSavePlanner,
+                                                              create_default_local_load_plan,
+                                                              create_default_local_save_plan)
+    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex, TensorProperties)
+    from torch.distributed.checkpoint.planner import (LoadPlan, SavePlan, TensorWriteData, WriteItem,
+                                                      WriteItemType)
+    from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+    def block_at(tensor: DTensor, offset) -> Block:
+        offset = tuple(offset) if offset is not None else (0,) * tensor.dim()
+        for block in _local_blocks(tensor._layout, tuple(tensor.shape)):
+            if block.offsets == offset:
+                return block
+        raise ValueError(f"this client holds no shard at offset {list(offset)} of a DTensor of shape "
+                         f"{list(tensor.shape)} with layout {tensor._layout.sharding_specs}")
+
+    class SavePlanner(DefaultSavePlanner):
+        """DCP's default save planner, plus: a DTensor is written as its distinct shards, each by one client
+        (the one holding its first replica), as `WriteItemType.SHARD` chunks of the global tensor."""
+
+        def create_local_plan(self):
+            others = {fqn: v for fqn, v in self.state_dict.items() if not isinstance(v, DTensor)}
+            items = list(create_default_local_save_plan(others, self.is_coordinator).items)
+            for fqn, value in self.state_dict.items():
+                if isinstance(value, DTensor):
+                    items += self._write_items(fqn, value)
+            plan = SavePlan(items)
+            if self.flatten_state_dict:
+                plan = dataclasses.replace(plan, planner_data=self.mappings)
+            self.plan = plan
+            return plan
+
+        @staticmethod
+        def _write_items(fqn: str, tensor: DTensor) -> list:
+            properties = TensorProperties(dtype=tensor.dtype)
+            items = []
+            for block in local_blocks(tensor._layout, tensor.shape):
+                if not block.writer:
+                    continue
+                offsets, sizes = torch.Size(block.offsets), torch.Size(block.sizes)
+                items.append(WriteItem(index=MetadataIndex(fqn, offsets), type=WriteItemType.SHARD,
+                                       tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets, sizes),
+                                                                   properties=properties, size=tensor.shape)))
+            return items
+
+        def lookup_object(self, index):
+            value = self.state_dict.get(index.fqn)
+            if isinstance(value, DTensor):
+                component = value._local[block_at(value, index.offset).positions[0]].detach()
+                # a view would make torch.save write the whole stacked storage
+                return component.clone(memory_format=torch.contiguous_format)
+            return super().lookup_object(index)
+
+    class LoadPlanner(DefaultLoadPlanner):
+        """DCP's default load planner, plus: a DTensor of the state dict is filled in its own layout. Each
+        distinct shard its client holds is one chunk (DCP reshards the saved chunks into it); once a chunk is
+        complete it is copied to the other local devices holding a replica of it. Missing keys (unless
+        `allow_partial_load`) and shape mismatches raise, naming the tensor."""
+
+        def set_up_planner(self, state_dict, metadata=None, is_coordinator=False):
+            super().set_up_planner(state_dict, metadata, is_coordinator)
+            for value in self.state_dict.values():
+                if isinstance(value, DTensor) and _overlaps(value._local):
+                    value._local = value._local.clone(memory_format=torch.contiguous_format)
+
+        def create_local_plan(self):
+            _check_against(self.state_dict, self.metadata, strict=not self.allow_partial_load)
+            items, self._pending = [], {}
+            for fqn, value in self.state_dict.items():
+                if fqn not in self.metadata.state_dict_metadata:
+                    continue
+                if not isinstance(value, DTensor):
+                    items += create_default_local_load_plan({fqn: value}, self.metadata, True).items
+                    continue
+                blocks = local_blocks(value._layout, value.shape)
+                chunks = [ChunkStorageMetadata(torch.Size(b.offsets), torch.Size(b.sizes)) for b in blocks]
+                reads = create_read_items_for_chunk_list(fqn, self.metadata.state_dict_metadata[fqn], chunks)
+                for read in reads:
+                    key = (fqn, tuple(read.dest_index.offset))
+                    self._pending[key] = self._pending.get(key, 0) + 1
+                items += reads
+            return LoadPlan(items)
+
+        def lookup_tensor(self, index):
+            value = self.state_dict.get(index.fqn)
+            if isinstance(value, DTensor):
+                return value._local[block_at(value, index.offset).positions[0]]
+            return super().lookup_tensor(index)
+
+        def commit_tensor(self, read_item, tensor):
+            value = self.state_dict.get(read_item.dest_index.fqn)
+            if not isinstance(value, DTensor):
+                return super().commit_tensor(read_item, tensor)
+            key = (read_item.dest_index.fqn, tuple(read_item.dest_index.offset))
+            self._pending[key] -= 1
+            if self._pending[key] == 0:  # the chunk is complete: copy it to the local replicas
+                first, *replicas = block_at(value, key[1]).positions
+                with torch.no_grad():
+                    for position in replicas:
+                        value._local[position].copy_(value._local[first])
+
+        def load_bytes(self, read_item, value):
+            # DCP's own version walks the flattened path with the keys turned into strings, which would put the
+            # value of an optimizer's `state[0]` under a new key "0"; resolve the path against the real keys
+            path = self.mappings.get(read_item.dest_index.fqn) if self.flatten_state_dict else None
+            if path is None:
+                return super().load_bytes(read_item, value)
+            container = self.original_state_dict
+            for part in path[:-1]:
+                container = container[_real_key(container, part)]
+            container[_real_key(container, path[-1])] = torch.load(value, weights_only=False)
+
+    _PLANNERS = SavePlanner, LoadPlanner
+    return _PLANNERS
+
+
+_PLANNERS = None
+
+
+# -- DCP's tensor-subclass protocol, for torch.distributed.checkpoint.save/load called without spmd's planners ----
+# (DCP calls these on any tensor that has them, as on torch's own DTensor; spmd's planners do not need them.) The
+# protocol's load path has no hook to copy a block to its replicas, so here every local device is a chunk of its
+# own and reads its shard itself.
+def _protocol_write_items(self: DTensor, fqn: str, obj) -> list:
+    _planner_classes()
+    return _PLANNERS[0]._write_items(fqn, self)
+
+
+def _protocol_chunk_list(self: DTensor) -> list:
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+    chunks = [None] * self._local.shape[0]
+    for block in _local_blocks(self._layout, tuple(self.shape)):
+        for position in block.positions:
+            chunks[position] = ChunkStorageMetadata(torch.Size(block.offsets), torch.Size(block.sizes))
+    return chunks
+
+
+def _protocol_tensor_shard(self: DTensor, index) -> torch.Tensor:
+    offset = tuple(index.offset) if index.offset is not None else (0,) * self.dim()
+    blocks = _local_blocks(self._layout, tuple(self.shape))
+    # a read names the local chunk (= position) in `index.index`; a write's hint is a global chunk number, but any
+    # local replica of the offset holds the same values
+    for block in blocks:
+        if block.offsets == offset:
+            position = index.index if index.index in block.positions else block.positions[0]
+            return self._local[position]
+    raise ValueError(f"{index.fqn!r}: this client holds no shard at offset {list(offset)} of a DTensor of shape "
+                     f"{list(self.shape)} with layout {self._layout.sharding_specs}")
+
+
+DTensor.__create_write_items__ = _protocol_write_items
+DTensor.__create_chunk_list__ = _protocol_chunk_list
+DTensor.__get_tensor_shard__ = _protocol_tensor_shard
+
+
+def __getattr__(name: str):
+    # the planner classes subclass DCP's, which is imported on first use only
+    if name == "SavePlanner":
+        return _planner_classes()[0]
+    if name == "LoadPlanner":
+        return _planner_classes()[1]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _real_key(container, part):
+    if isinstance(container, Mapping):
+        if part in container:
+            return part
+        for key in container:
+            if str(key) == part:
+                return key
+        return part
+    return int(part)
+
+
+def _overlaps(local: torch.Tensor) -> bool:
+    """True when several elements of `local` share memory (e.g. an expanded replicated component)."""
+    return torch._debug_has_internal_overlap(local) != 0
+
+
+def _kind(md) -> str:
+    return "tensor" if hasattr(md, "chunks") else "non-tensor value"
+
+
+def _check_against(flat: dict, metadata, strict: bool = True, path: str | None = None) -> None:
+    """Every template entry must be in the checkpoint, with the same global shape; raises naming the entry."""
+    saved = metadata.state_dict_metadata
+    where = f" at {path!r}" if path else ""
+    missing = [fqn for fqn in flat if fqn not in saved]
+    if missing and strict:
+        raise KeyError(f"the checkpoint{where} has no entry {missing[0]!r}"
+                       + (f" (nor {missing[1:]})" if len(missing) > 1 else "")
+                       + f" that the state dict to load into has; it has {len(saved)} entries, e.g. "
+                       f"{sorted(saved)[:8]}")
+    for fqn, value in flat.items():
+        md = saved.get(fqn)
+        if md is None:
+            continue
+        is_tensor = isinstance(value, torch.Tensor)
+        if is_tensor != hasattr(md, "chunks"):
+            raise ValueError(f"{fqn!r}: the checkpoint{where} holds a {_kind(md)} but the state dict to load into "
+                             f"holds {'a tensor' if is_tensor else 'a value of type ' + type(value).__name__}")
+        if is_tensor and tuple(md.size) != tuple(value.shape):
+            raise ValueError(f"{fqn!r}: the checkpoint{where} holds a tensor of shape {list(md.size)}, but the "
+                             f"state dict to load into has shape {list(value.shape)}")
+
+
+# -- modules and optimizers -----------------------------------------------------------------------------------------
+def _is_stateful(value) -> bool:
+    """An object saved as its `state_dict()` and restored with `load_state_dict()`: an `nn.Module`, an optimizer, an
+    LR scheduler... (DCP's `Stateful`); not a dict or a tensor."""
+    return (not isinstance(value, (Mapping, torch.Tensor)) and callable(getattr(value, "state_dict", None))
+            and callable(getattr(value, "load_state_dict", None)))
+
+
+def _plain(state_dict: dict, on_load: list | None = None, metadata=None, prefix: tuple = ()) -> dict:
+    """A shallow copy of `state_dict` (nested dicts) with modules, optimizers and other stateful objects replaced
+    by their state dicts.
+
+    For a load, `on_load` collects `(object, template)` pairs to restore afterwards, and an optimizer's template
+    is completed from `metadata` with the entries it does not have yet (a fresh optimizer has no state)."""
+    out = {}
+    for key, value in state_dict.items():
+        path = prefix + (str(key),)
+        if _is_stateful(value):
+            value_sd = value.state_dict()
+            if on_load is not None:
+                if isinstance(value, torch.optim.Optimizer):
+                    value_sd = _optimizer_template(value, value_sd, metadata, path)
+                on_load.append((value, value_sd))
+        elif isinstance(value, Mapping):
+            value_sd = _plain(value, on_load, metadata, path)
+            if on_load is not None and isinstance(value, MutableMapping):
+                on_load.append((value, value_sd))
+        else:
+            value_sd = value
+        out[key] = value_sd
+    return out
+
+
+def _optimizer_template(optimizer, template: dict, metadata, path: tuple) -> dict:
+    """`optimizer.state_dict()` with an entry for every saved value it lacks: for the state of a parameter, a tensor
+    of the saved shape and dtype (laid out like its parameter when it has the parameter's shape, except `step`);
+    for a param group (e.g. an LR scheduler's `initial_lr`) or a non-tensor value, a placeholder that DCP
+    replaces with the saved value."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    state = {index: dict(entries) for index, entries in template["state"].items()}
+    template = {**template, "state": state}
+    planner_data = getattr(metadata, "planner_data", None) or {}
+    head = len(path)
+    for fqn, md in metadata.state_dict_metadata.items():
+        saved_path = planner_data.get(fqn)
+        if saved_path is None or len(saved_path) != head + 3 or tuple(map(str, saved_path[:head])) != path:
+            continue
+        section, index, name = str(saved_path[head]), int(saved_path[head + 1]), saved_path[head + 2]
+        if section == "param_groups":
+            groups = template.get("param_groups", [])
+            if index < len(groups) and name not in groups[index]:
+                groups[index][name] = None
+            continue
+        if section != "state" or index >= len(params) or name in state.get(index, {}):
+            continue
+        if index >= len(params) or name in state.get(index, {}):
+            continue
+        param = params[index]
+        if not hasattr(md, "chunks"):
+            value = None
+        elif name != "step" and tuple(md.size) == tuple(param.shape):
+            with torch.no_grad():
+                value = torch.zeros_like(param, dtype=md.properties.dtype)
+        else:
+            device = param._layout.mesh.torch_device if isinstance(param, DTensor) else param.device
+            value = torch.zeros(tuple(md.size), dtype=md.properties.dtype, device=device)
+        state.setdefault(index, {})[name] = value
+    return template
+
+
+def _restore(on_load: list) -> None:
+    """Writes what DCP loaded into the template copies back: values into the user's dicts (nested dicts stay the
+    user's objects, tensors were filled in place), state dicts into modules and optimizers."""
+    for target, loaded in on_load:
+        if isinstance(target, MutableMapping):
+            for key, value in loaded.items():
+                current = target.get(key)
+                if not (_is_stateful(current) or isinstance(current, MutableMapping)):
+                    target[key] = value
+        else:
+            target.load_state_dict(loaded)
+
+
+# -- coordination between clients ----------------------------------------------------------------------------------
+class _Clients:
+    """Rank 0 decides names and renames; with no process group everything is this process."""
+
+    def __init__(self):
+        import torch.distributed as dist
+        self.dist = dist if dist.is_available() and dist.is_initialized() else None
+        self.is_coordinator = self.dist is None or self.dist.get_rank() == 0
+
+    def broadcast(self, value):
+        if self.dist is None:
+            return value
+        box = [value]
+        self.dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def all_ok(self, ok: bool) -> bool:
+        if self.dist is None:
+            return ok
+        results = [None] * self.dist.get_world_size()
+        self.dist.all_gather_object(results, ok)
+        return all(results)
+
+
+class _dcp_call(warnings.catch_warnings):
+    """Runs a DCP call: without its warning that no process group is initialised (that is the single-process
+    mode spmd means), and with the error of the lowest failing rank raised instead of DCP's
+    `CheckpointException`, which is a `BaseException` that `except Exception` would not catch."""
+
+    def __enter__(self):
+        super().__enter__()
+        warnings.filterwarnings("ignore", message=".*torch.distributed is .*(unavailable|uninitialized).*")
+
+    def __exit__(self, kind, error, traceback):
+        super().__exit__(kind, error, traceback)
+        failures = getattr(error, "failures", None)
+        if type(error).__name__ == "CheckpointException" and failures:
+            raise failures[min(failures)][0] from error
+        return False
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def is_checkpoint(path) -> bool:
+    """True when `path` is a complete checkpoint directory (DCP's metadata file is written last)."""
+    return (Path(path) / _METADATA).is_file()
+
+
+# -- the API ---------------------------------------------------------------------------------------------------------
+def save(state_dict: dict, path) -> None:
+    """Saves `state_dict` as a DCP checkpoint directory at `path` (replacing a checkpoint already there).
+
+    `state_dict` is a (nested) dict of DTensors, plain tensors, `nn.Module`s, optimizers and other objects with
+    `state_dict()`/`load_state_dict()` (saved as their `state_dict()`), and other picklable values (ints, floats,
+    lists...). Keys are flattened with dots as DCP does (`{"model": {"fc.weight": w}}` is saved as
+    `model.fc.weight`).
+
+    Every distinct shard of a DTensor is written once, by the client holding its first replica; with several
+    processes (an initialised `torch.distributed` process group) each writes the shards of its own devices.
+    The checkpoint is written into a hidden directory next to `path` and renamed to `path` only once complete:
+    a save that fails or is interrupted leaves no `path` (nor, when it fails, the temporary directory), and a
+    checkpoint already at `path` is only replaced by a complete one.
+
+    Raises:
+      FileExistsError: `path` exists and is not a checkpoint (it is never overwritten).
+    """
+    dcp = _dcp()
+    SavePlanner, _ = _planner_classes()
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(f"save expects a dict (state_dict), got {type(state_dict).__name__}")
+    path = Path(path)
+    if path.exists() and not is_checkpoint(path):
+        raise FileExistsError(f"{path} exists and is not a checkpoint; spmd.checkpoint.save will not overwrite it")
+    clients = _Clients()
+    token = clients.broadcast(uuid.uuid4().hex[:12] if clients.is_coordinator else None)
+    tmp = path.parent / f".{path.name}.tmp-{token}"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    ok = False
+    try:
+        with _dcp_call():
+            dcp.save(_plain(state_dict), storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True),
+                     planner=SavePlanner())
+        if clients.is_coordinator:
+            _publish(tmp, path, token)
+        ok = True
+    finally:
+        if not clients.all_ok(ok) and clients.is_coordinator:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _publish(tmp: Path, path: Path, token: str) -> None:
+    """Renames the complete checkpoint `tmp` to `path`; a checkpoint already there is moved aside first and
+    deleted after (restored if the rename fails), so `path` is only ever absent or a complete checkpoint."""
+    if not is_checkpoint(tmp):
+        raise RuntimeError(f"DCP finished without writing {tmp / _METADATA}")
+    old = None
+    if path.exists():
+        old = path.parent / f".{path.name}.old-{token}"
+        os.rename(path, old)
+    try:
+        os.rename(tmp, path)
+    except BaseException:
+        if old is not None and not path.exists():
+            os.rename(old, path)
+        raise
+    _fsync_dir(path.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def load(state_dict: dict, path, *, strict: bool = True) -> None:
+    """Loads the checkpoint at `path` into `state_dict` in place, each tensor in its own layout.
+
+    `state_dict` is a template like the one saved: DTensors (any mesh, layout and number of devices; each
+    device reads only the saved pieces of its own shard), plain tensors (filled with the global value),
+    `nn.Module`s, optimizers, LR schedulers (restored with `load_state_dict`; a fresh optimizer gets its state
+    tensors from the checkpoint, laid out like their parameters), and other values, which are replaced by the
+    saved ones. Entries of the checkpoint that the template does not have are ignored.
+
+    Raises:
+      FileNotFoundError: no complete checkpoint at `path`.
+      KeyError: (with `strict`) an entry of `state_dict` that the checkpoint lacks, named by its dotted key.
+      ValueError: a tensor whose shape differs from the saved one (naming it and both shapes), or a tensor where
+        a non-tensor value was saved and vice versa.
+    """
+    dcp = _dcp()
+    _, LoadPlanner = _planner_classes()
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(f"load expects a dict (state_dict), got {type(state_dict).__name__}")
+    path = Path(path)
+    if not is_checkpoint(path):
+        what = "does not exist" if not path.exists() else f"has no {_METADATA} file (not a complete checkpoint)"
+        raise FileNotFoundError(f"no checkpoint at {path}: it {what}")
+    reader = dcp.FileSystemReader(str(path))
+    metadata = reader.read_metadata()
+    on_load: list = []
+    template = _plain(state_dict, on_load, metadata)
+    flat, _ = flatten_state_dict(template)
+    _check_against(flat, metadata, strict, str(path))
+    with _dcp_call():
+        dcp.load(template, storage_reader=reader, planner=LoadPlanner(allow_partial_load=not strict))
+    _restore(on_load + [(state_dict, template)] if isinstance(state_dict, MutableMapping) else on_load)
