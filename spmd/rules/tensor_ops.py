@@ -30,3 +30,10 @@ def same_size_rule(call: OpCall) -> Decision:
     a, b = call.specs
     same = a.shape == b.shape
     return Decision((a.axes, b.axes), (None,), lambda l, args, k: same)
+
+
+@register(aten.is_pinned.default)
+def is_pinned_rule(call: OpCall) -> Decision:
+    # memory metadata of the components (they share one torch device and allocator)
+    spec = call.specs[0]
+    return Decision((spec.axes,), (None,), lambda l, a, k: l[0].is_pinned())
