@@ -28,3 +28,34 @@ def test_bench_mlp_quick(tmp_path):
         for runs in per_opt.values():
             for variant, r in runs.items():
                 assert r.get("max_loss_diff", 0.0) == pytest.approx(0.0, abs=1e-5), variant
+
+
+def test_bench_demo_quick(tmp_path):
+    from benchmarks import bench_demo
+    data = bench_demo.main(["--quick", "--steps", "1", "--reps", "1", "--warm", "1", "--no-rss",
+                            "--out", str(tmp_path)])
+    assert (tmp_path / "demo.md").exists() and (tmp_path / "demo.json").exists()
+    assert not data["errors"], data["errors"]
+    variants = data["variants"]
+    assert set(variants) == set(bench_demo.VARIANTS)
+    for name, r in variants.items():
+        assert r["median_ms"] > 0 and r["memory"]["parameters"] > 0, name
+        assert r.get("max_rel_loss_diff", 0.0) <= 1e-5, name
+    # spmd on batch=4 x model=2: each device holds less than the whole model, and gradients are all-reduced
+    assert variants["spmd8"]["memory"]["parameters"] < variants["plain"]["memory"]["parameters"]
+    assert any(c["kind"] == "all_reduce" and c["mesh_dims"] == "batch" for c in variants["spmd8"]["collectives"])
+
+
+def test_bench_jax_mlp_quick(tmp_path):
+    """Runs with or without jax: without it the script skips its JAX columns itself (CI has no jax)."""
+    from benchmarks import bench_jax_mlp
+    data = bench_jax_mlp.main(["--quick", "--steps", "1", "--reps", "1", "--warm", "1", "--out", str(tmp_path)])
+    assert (tmp_path / "jax_mlp.md").exists()
+    assert not data["errors"], data["errors"]
+    results = data["results"]
+    for cfg in bench_jax_mlp.CONFIGS:
+        assert results[f"spmd/{cfg}"]["max_rel_loss_diff"] <= 1e-5, cfg
+    if data["jax"] is None:
+        assert data["jax_skipped"] and not any(k.startswith("jax/") for k in results)
+    else:
+        assert all(f"jax/{cfg}" in results for cfg in bench_jax_mlp.CONFIGS)
