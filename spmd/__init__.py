@@ -10,10 +10,14 @@ from spmd.creation import call_with_layout, empty, fill, full, ones, ones_like, 
 from spmd.data import DTensorDataset, create_dtensor_iterable
 from spmd.dispatch import cache_stats
 from spmd.dtensor import DTensor, check_layout, fetch_layout, is_dtensor, pack, unpack
-from spmd.errors import (IndivisibleError, LayoutError, MeshMismatchError, MixedTensorError,
+from spmd.errors import (CollectiveError, IndivisibleError, LayoutError, MeshMismatchError, MixedTensorError,
                          UnsupportedOpError)
 from spmd.layout import MATCH, UNSHARDED, Layout
 from spmd.mesh import Mesh, MeshDimension, create_mesh
+from spmd import runtime
+from spmd.runtime import (barrier, client_id, create_distributed_mesh, initialize_accelerator_system, job_name,
+                          local_devices, num_clients, num_global_devices, num_local_devices,
+                          shutdown_accelerator_system)
 from spmd.nn import LayoutMap, Strategy, distribute_module
 from spmd.scope import default_mesh, get_default_mesh
 from spmd.variable import DVariable
@@ -28,4 +32,7 @@ __all__ = [
     "zeros_like", "ones_like", "random", "cache_stats", "LayoutError", "IndivisibleError", "MeshMismatchError",
     "MixedTensorError", "UnsupportedOpError", "DTensorDataset", "create_dtensor_iterable",
     "LayoutMap", "distribute_module", "Strategy", "visualize",
+    "runtime", "initialize_accelerator_system", "shutdown_accelerator_system", "client_id", "num_clients",
+    "job_name", "local_devices", "num_local_devices", "num_global_devices", "create_distributed_mesh", "barrier",
+    "CollectiveError",
 ]

@@ -23,3 +23,8 @@ class MixedTensorError(TypeError):
 
 class UnsupportedOpError(NotImplementedError):
     """An op without a sharding rule for the given layouts."""
+
+
+class CollectiveError(RuntimeError):
+    """A collective across clients failed or timed out (a client died, stalled, or ran a different program);
+    the message names this client, the collective, the mesh dimensions and the clients involved."""

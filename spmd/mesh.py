@@ -300,6 +300,10 @@ def _to_torch_device(device: str) -> torch.device:
     if kind == "CPU":
         return torch.device("cpu")
     if kind == "GPU":
+        from spmd.runtime import local_cuda_index
+        index_in_job = local_cuda_index()
+        if index_in_job is not None:  # multi-client: one GPU per process, cuda:LOCAL_RANK
+            return torch.device("cuda", index_in_job)
         # like TF's logical GPUs: more GPU devices than CUDA devices are virtual devices sharing them
         count = torch.cuda.device_count()
         return torch.device("cuda", int(index) % count if count else int(index))

@@ -10,15 +10,27 @@ from spmd.collectives.base import Collectives
 from spmd.collectives.local import InProcessCollectives
 
 _IN_PROCESS = InProcessCollectives()
+_DISTRIBUTED = None
 
 
 def backend_for(mesh) -> Collectives:
     """The backend that runs collectives over `mesh` from this process."""
     if mesh.is_fully_local():
         return _IN_PROCESS
-    raise NotImplementedError(
-        f"{mesh!r} spans devices of other clients; multi-client collectives need the torch.distributed "
-        "backend, which this version of spmd does not have yet")
+    if mesh.is_remote():
+        raise NotImplementedError(f"{mesh!r} has no device on this client: spmd runs ops only on meshes that "
+                                  "include a device of every client")
+    global _DISTRIBUTED
+    if _DISTRIBUTED is None:
+        import torch.distributed as dist
+        if not (dist.is_available() and dist.is_initialized()):
+            raise NotImplementedError(
+                f"{mesh!r} spans devices of other clients, but this process is not part of a multi-client job: "
+                "call spmd.initialize_accelerator_system() in every client (launched with torchrun, or with "
+                "DTENSOR_JOBS/DTENSOR_CLIENT_ID set) and create the mesh with spmd.create_distributed_mesh")
+        from spmd.collectives.distributed import DistributedCollectives
+        _DISTRIBUTED = DistributedCollectives()
+    return _DISTRIBUTED
 
 
 __all__ = ["Collectives", "InProcessCollectives", "backend_for"]

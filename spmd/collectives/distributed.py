@@ -1,0 +1,302 @@
+"""Collectives over `torch.distributed` for meshes that span several clients (processes).
+
+A collective over mesh dims D acts on *groups*: the devices that share their coordinates on the other mesh dims.
+A group's members may be spread over several clients, and one client may hold several members (of one group
+or of several). Each collective therefore
+  1. combines this client's members of each group locally (a partial sum, or its components in member order),
+  2. runs one `torch.distributed` collective per distinct set of clients ("rank set") holding a group's members,
+     batching every group with that rank set into that one call, and
+  3. writes each group's result back to every local member.
+A group held entirely by this client needs no communication at all.
+
+Ownership is TF's `create_distributed_mesh` convention: client `r` holds the `L` consecutive global ids
+`r*L .. (r+1)*L-1` (`L = mesh.num_local_devices()`); global device names `/task:<r>/` are used when given.
+
+Process groups: one per distinct rank set, created with `dist.new_group` by every client in the same (sorted)
+order the first time a (mesh, dims) pair is used (the creation is collective), and cached by rank set; the
+whole world uses the default group. Failures and timeouts become `spmd.CollectiveError`.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from spmd.collectives.base import Collectives
+from spmd.errors import CollectiveError
+
+_GROUPS: dict[tuple[int, ...], object] = {}
+_OPS = {"sum": "SUM", "avg": "SUM", "max": "MAX", "min": "MIN"}
+
+
+@dataclass(frozen=True)
+class _Batch:
+    """The groups (of one (mesh, dims) pair) that one rank set holds and that include this client."""
+    ranks: tuple[int, ...]  # the clients holding members of these groups, sorted
+    k: int  # members per group
+    slots: int  # the most members one client holds of one group (contributions are padded to this)
+    local: tuple[tuple[int, int, int], ...]  # per local member: (stack index, group index, member index)
+    source: torch.Tensor  # (groups, k): where member i of group g is in a gathered (ranks * slots) axis
+    mine: torch.Tensor  # (groups, slots): stack index of this client's member in each slot (-1: padding)
+    member_of_slot: torch.Tensor  # (ranks, groups, slots): member index of each client's slot (0: padding)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    batches: tuple[_Batch, ...]
+    num_local: int
+
+
+def _owners(mesh) -> list[int]:
+    """The rank (client) holding each global device, by row-major position."""
+    n, per = mesh.size, mesh.num_local_devices()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if mesh.global_devices():
+        import re
+        owners = [int(re.search(r"/task:(\d+)/", d).group(1)) for d in mesh.global_devices()]
+    elif per and n == per * world:
+        owners = [p // per for p in range(n)]
+    else:
+        raise NotImplementedError(
+            f"spmd cannot tell which client holds which device of {mesh!r}: a multi-client mesh must have "
+            f"{world} clients x {per} local devices = {n} devices (use spmd.create_distributed_mesh)")
+    base = mesh.min_global_device_id()
+    expected = [p + base for p in range(n) if owners[p] == rank]
+    if expected != mesh.local_device_ids():
+        raise NotImplementedError(
+            f"client {rank} holds the devices {mesh.local_device_ids()} of {mesh!r}, but a multi-client mesh gives "
+            f"client r the ids r*L..(r+1)*L-1 (here {expected}); create it with spmd.create_distributed_mesh")
+    return owners
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan(mesh, dims: tuple[str, ...]) -> _Plan:
+    owners = _owners(mesh)
+    rank = dist.get_rank()
+    base = mesh.min_global_device_id()
+    stack_index = {i - base: j for j, i in enumerate(mesh.local_device_ids())}
+    axes = [mesh.axis_index(d) for d in dims]
+    sizes = [mesh.dim_size(d) for d in dims]
+    groups: dict[tuple, list] = {}
+    for p in range(mesh.size):
+        loc = mesh.device_location(p)
+        key = tuple(c for a, c in enumerate(loc) if a not in axes)
+        member = 0
+        for a, s in zip(axes, sizes):
+            member = member * s + loc[a]
+        groups.setdefault(key, []).append((member, p))
+    by_ranks: dict[tuple[int, ...], list] = {}
+    for key in sorted(groups):
+        members = [p for _, p in sorted(groups[key])]
+        ranks = tuple(sorted({owners[p] for p in members}))
+        by_ranks.setdefault(ranks, []).append(members)
+    for ranks in sorted(by_ranks):  # every client creates the same groups in the same order
+        _group(ranks)
+    batches = []
+    for ranks, group_list in sorted(by_ranks.items()):
+        if rank not in ranks:
+            continue
+        k = len(group_list[0])
+        slot = {}  # position -> (rank index, slot)
+        slots = 0
+        for members in group_list:
+            used = dict.fromkeys(ranks, 0)
+            for p in members:
+                slot[p] = (ranks.index(owners[p]), used[owners[p]])
+                used[owners[p]] += 1
+            slots = max(slots, max(used.values()))
+        source = torch.tensor([[slot[p][0] * slots + slot[p][1] for p in members] for members in group_list])
+        mine = torch.full((len(group_list), slots), -1, dtype=torch.long)
+        member_of_slot = torch.zeros((len(ranks), len(group_list), slots), dtype=torch.long)
+        local = []
+        for g, members in enumerate(group_list):
+            for i, p in enumerate(members):
+                r, s = slot[p]
+                member_of_slot[r, g, s] = i
+                if owners[p] == rank:
+                    mine[g, s] = stack_index[p]
+                    local.append((stack_index[p], g, i))
+        batches.append(_Batch(ranks, k, slots, tuple(local), source, mine, member_of_slot))
+    return _Plan(tuple(batches), mesh.num_local_devices())
+
+
+def _group(ranks: tuple[int, ...]):
+    if len(ranks) == 1:
+        return None
+    if len(ranks) == dist.get_world_size():
+        return dist.group.WORLD
+    if ranks not in _GROUPS:
+        from spmd.runtime import collective_timeout
+        _GROUPS[ranks] = dist.new_group(list(ranks), timeout=collective_timeout())
+    return _GROUPS[ranks]
+
+
+def _wire(x: torch.Tensor) -> torch.Tensor:
+    return (x.to(torch.uint8) if x.dtype == torch.bool else x).contiguous()
+
+
+class DistributedCollectives(Collectives):
+    """Collectives for a mesh whose devices are spread over the clients of a `torch.distributed` job."""
+
+    # -- helpers ---------------------------------------------------------------------------------------------------
+    def _fail(self, e: Exception, what: str, mesh, dims, batch: _Batch):
+        from spmd.runtime import collective_timeout
+        rank = dist.get_rank()
+        peers = [r for r in batch.ranks if r != rank]
+        raise CollectiveError(
+            f"client {rank} of {dist.get_world_size()}: {what} over mesh dim(s) {list(dims)} of mesh "
+            f"{mesh.name + ' ' if mesh.name else ''}{dict(zip(mesh.dim_names, mesh.shape()))} with clients "
+            f"{list(batch.ranks)} failed (waiting for client(s) {peers}; the collective timeout is "
+            f"{collective_timeout().total_seconds():g}s, SPMD_COLLECTIVE_TIMEOUT): {type(e).__name__}: {e}") from e
+
+    def _contributions(self, x, batch: _Batch) -> torch.Tensor:
+        """(groups, slots, *local): this client's components of each group, padded with zeros."""
+        mine = batch.mine.to(x.device)
+        out = x[mine.clamp(min=0)]
+        return out.masked_fill((mine < 0).view(mine.shape + (1,) * (x.dim() - 1)), 0) if (mine < 0).any() else out
+
+    def _gather(self, x, mesh, dims, batch: _Batch, what: str) -> torch.Tensor:
+        """(groups, k, *local): every member's component of each group, in member order."""
+        mine = self._contributions(x, batch)
+        group = _group(batch.ranks)
+        if group is None:
+            gathered = mine.unsqueeze(0)
+        else:
+            wire = _wire(mine)
+            parts = [torch.empty_like(wire) for _ in batch.ranks]
+            try:
+                dist.all_gather(parts, wire, group=group)
+            except RuntimeError as e:
+                self._fail(e, what, mesh, dims, batch)
+            gathered = torch.stack(parts).to(x.dtype)  # (ranks, groups, slots, *local)
+        G = mine.shape[0]
+        flat = gathered.movedim(0, 1).reshape((G, len(batch.ranks) * batch.slots) + tuple(x.shape[1:]))
+        source = batch.source.to(x.device)
+        return flat[torch.arange(G, device=x.device).unsqueeze(1), source]
+
+    def _scatter_back(self, out, per_member, batch: _Batch):
+        """Writes per local member `per_member(group, member)` into `out`."""
+        for j, g, i in batch.local:
+            out[j] = per_member(g, i)
+
+    # -- the interface -------------------------------------------------------------------------------------------
+    def all_reduce(self, x, mesh, mesh_dims, op="sum"):
+        if not mesh_dims:
+            return x
+        if op not in _OPS:
+            raise ValueError(f"unknown reduction {op!r}")
+        dims = tuple(mesh_dims)
+        plan = _plan(mesh, dims)
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        for batch in plan.batches:
+            mine = self._contributions(x, batch)  # (groups, slots, *local)
+            valid = (batch.mine >= 0).to(x.device).view(batch.mine.shape + (1,) * (x.dim() - 1))
+            if op in ("sum", "avg"):
+                partial = mine.sum(1)
+            else:
+                fill = torch.finfo(x.dtype).min if x.dtype.is_floating_point else torch.iinfo(
+                    x.dtype if x.dtype != torch.bool else torch.uint8).min
+                if op == "min":
+                    fill = torch.finfo(x.dtype).max if x.dtype.is_floating_point else torch.iinfo(
+                        x.dtype if x.dtype != torch.bool else torch.uint8).max
+                masked = mine.masked_fill(~valid, fill) if x.dtype != torch.bool else mine
+                partial = masked.amax(1) if op == "max" else masked.amin(1)
+            group = _group(batch.ranks)
+            if group is not None:
+                wire = _wire(partial)
+                try:
+                    dist.all_reduce(wire, op=getattr(dist.ReduceOp, _OPS[op]), group=group)
+                except RuntimeError as e:
+                    self._fail(e, f"all_reduce({op})", mesh, dims, batch)
+                partial = wire.to(x.dtype)
+            if op == "avg":
+                partial = partial / batch.k if partial.is_floating_point() else partial // batch.k
+            for j, g, _ in batch.local:
+                out[j] = partial[g]
+        return out
+
+    def all_gather(self, x, mesh, mesh_dim, axis):
+        dims = (mesh_dim,)
+        out = None
+        for batch in _plan(mesh, dims).batches:
+            full = self._gather(x, mesh, dims, batch, f"all_gather(axis {axis})")  # (groups, k, *local)
+            full = full.movedim(1, 1 + axis)
+            shape = list(full.shape)
+            shape[1 + axis: 3 + axis] = [shape[1 + axis] * shape[2 + axis]]
+            full = full.reshape(shape)  # (groups, *local with `axis` concatenated)
+            if out is None:
+                out = torch.empty((x.shape[0],) + tuple(shape[1:]), dtype=x.dtype, device=x.device)
+            for j, g, _ in batch.local:
+                out[j] = full[g]
+        return out
+
+    def shard(self, x, mesh, mesh_dim, axis):
+        # no traffic: each local device keeps the block of its own coordinate
+        k = mesh.dim_size(mesh_dim)
+        base, d = mesh.min_global_device_id(), mesh.axis_index(mesh_dim)
+        coords = torch.tensor([mesh.device_location(i - base)[d] for i in mesh.local_device_ids()],
+                              device=x.device)
+        shape = list(x.shape)
+        shape[1 + axis: 2 + axis] = [k, shape[1 + axis] // k]
+        blocks = x.reshape(shape).movedim(1 + axis, 1)  # (L, k, *local with the block)
+        return blocks[torch.arange(x.shape[0], device=x.device), coords].contiguous()
+
+    def all_to_all(self, x, mesh, mesh_dim, gather_axis, shard_axis):
+        dims = (mesh_dim,)
+        k = mesh.dim_size(mesh_dim)
+        out = None
+        for batch in _plan(mesh, dims).batches:
+            mine = self._contributions(x, batch)  # (groups, slots, *local)
+            G, S, R = mine.shape[0], batch.slots, len(batch.ranks)
+            # split the shard axis into k pieces: (groups, slots, k, *local with the piece)
+            shape = list(mine.shape)
+            shape[2 + shard_axis: 3 + shard_axis] = [k, shape[2 + shard_axis] // k]
+            pieces = mine.reshape(shape).movedim(2 + shard_axis, 2)
+            # send[r, g, s, t]: to client r's slot t, the piece its member needs, of my slot s's component
+            want = batch.member_of_slot.to(x.device)  # (ranks, groups, slots)
+            g_idx = torch.arange(G, device=x.device).view(1, G, 1, 1)
+            s_idx = torch.arange(S, device=x.device).view(1, 1, S, 1)
+            send = pieces[g_idx, s_idx, want.view(R, G, 1, S)]  # (ranks, groups, slots, slots, *piece)
+            group = _group(batch.ranks)
+            if group is None:
+                recv = send
+            else:
+                wire = _wire(send)
+                received = torch.empty_like(wire)
+                try:
+                    dist.all_to_all_single(received, wire, group=group)
+                except RuntimeError as e:
+                    self._fail(e, f"all_to_all(axis {gather_axis} -> {shard_axis})", mesh, dims, batch)
+                recv = received.to(x.dtype)
+            # recv[r, g, s, t]: from client r's slot s to my slot t; order the senders by member index
+            flat = recv.movedim(0, 1).reshape((G, R * S, S) + tuple(send.shape[4:]))
+            ordered = flat[torch.arange(G, device=x.device).unsqueeze(1), batch.source.to(x.device)]  # (G,k,S,..)
+            ordered = ordered.movedim(1, 2).movedim(2, 2 + gather_axis)  # (G, S, *piece with k before gather)
+            shape = list(ordered.shape)
+            shape[2 + gather_axis: 4 + gather_axis] = [shape[2 + gather_axis] * shape[3 + gather_axis]]
+            ordered = ordered.reshape(shape)
+            if out is None:
+                out = torch.empty((x.shape[0],) + tuple(shape[2:]), dtype=x.dtype, device=x.device)
+            mine_idx = batch.mine.tolist()
+            for g in range(G):
+                for s in range(S):
+                    if mine_idx[g][s] >= 0:
+                        out[mine_idx[g][s]] = ordered[g, s]
+        return out
+
+    def reduce_scatter(self, x, mesh, mesh_dim, axis, op="sum"):
+        # gloo has no reduce_scatter: all-reduce, then each device keeps its block (a local slice)
+        return self.shard(self.all_reduce(x, mesh, (mesh_dim,), op), mesh, mesh_dim, axis)
+
+    def assemble(self, x, mesh, axes):
+        for name in mesh.dim_names:  # gather every sharded axis: each client then holds the global value
+            if name in axes and mesh.dim_size(name) > 1:
+                x = self.all_gather(x, mesh, name, axes.index(name))
+        return x[0].clone()
+
+
+__all__ = ["DistributedCollectives"]

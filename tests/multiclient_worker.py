@@ -1,0 +1,225 @@
+"""One client of a multi-client test run (started by tests/test_multiclient.py with torchrun's environment).
+
+Usage: python multiclient_worker.py SCENARIO; the last stdout line is `RESULT <json>`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import sys
+import time
+
+
+def _result(value) -> None:
+    print("RESULT " + json.dumps(value), flush=True)
+
+
+def docs_example():
+    import torch
+    import spmd
+    from spmd import Layout
+    spmd.initialize_accelerator_system("CPU", num_logical_cpu_devices=2)
+    c = spmd.client_id()
+    mesh = spmd.create_distributed_mesh([("x", 4)])
+    t = spmd.pack([torch.tensor([2.0 * c]), torch.tensor([2.0 * c + 1])], Layout(["x"], mesh))
+    replicated = spmd.relayout(t, Layout.replicated(mesh, 1))
+    try:
+        spmd.pack([torch.tensor([0.0])] * 4, Layout(["x"], mesh))
+        pack_error = None
+    except ValueError as e:
+        pack_error = str(e)
+    spmd.barrier(mesh)
+    try:
+        spmd.shutdown_accelerator_system()
+        shutdown_error = None
+    except ValueError as e:
+        shutdown_error = str(e)
+    _result({"client": c, "num_clients": spmd.num_clients(), "job": spmd.job_name(),
+             "local_devices": spmd.local_devices("CPU"), "num_global": spmd.num_global_devices("CPU"),
+             "mesh": mesh.to_string(), "local_ids": mesh.local_device_ids(), "shape": list(t.shape),
+             "sum": t.sum().item(), "replicated": replicated.tolist(),
+             "unpacked": [x.tolist() for x in spmd.unpack(t)], "global": spmd.to_global(t).tolist(),
+             "pack_error": pack_error, "shutdown_error": shutdown_error, "fully_local": mesh.is_fully_local(),
+             "torch_device": str(mesh.torch_device)})
+
+
+def _meshes():
+    # (dims, local devices per client): groups fully local, one member per client, two per client, and unequal
+    # (the 3x2 mesh: a group over x holds 2 devices of client 0 and 1 of client 1)
+    return [([("x", 2), ("y", 2)], 2), ([("x", 4)], 2), ([("x", 4), ("y", 2)], 4), ([("x", 3), ("y", 2)], 3),
+            ([("x", 2), ("y", 2), ("z", 2)], 4)]
+
+
+def collectives():
+    import spmd
+    spmd.initialize_accelerator_system("CPU", num_logical_cpu_devices=2)
+    checks, failures = 0, []
+    for dims, per in _meshes():
+        n, bad = _check_collectives(dims, per)
+        checks += n
+        failures += [f"{dims}: {f}" for f in bad]
+    _result({"client": spmd.client_id(), "checks": checks, "failures": failures[:10]})
+
+
+def _check_collectives(dims, per):
+    """Every backend method and every relayout on `dims` (`per` devices per client) against one process."""
+    import torch
+    import spmd
+    from spmd import UNSHARDED as U, Layout
+    from spmd.collectives import InProcessCollectives, backend_for
+    mesh = spmd.create_distributed_mesh(dims, local_devices=[f"CPU:{i}" for i in range(per)])
+    ref_mesh = spmd.create_mesh(dims)  # the same mesh, all devices in this process
+    comm, ref = backend_for(mesh), InProcessCollectives()
+    mine = [i for i in mesh.local_device_ids()]
+    names = mesh.dim_names
+    checks, failures = 0, []
+
+    def same(what, got, want, exact=True):
+        nonlocal checks
+        checks += 1
+        equal = torch.equal(got, want) if exact else torch.allclose(got, want, rtol=1e-12, atol=0)
+        if got.shape != want.shape or not equal:
+            failures.append(f"{what}: got {got.tolist()} want {want.tolist()}")
+
+    # every backend method on raw stacked components (all devices of the mesh: values tell the device apart)
+    local_shape = (6, 12)
+    full = torch.arange(mesh.size * 72, dtype=torch.float64).reshape((mesh.size,) + local_shape) % 23 - 7
+    x = full[mine]
+    for r in range(1, len(names) + 1):
+        for ds in itertools.combinations(names, r):
+            for op in ("sum", "avg", "max", "min"):
+                same(f"all_reduce{ds}{op}", comm.all_reduce(x, mesh, ds, op), ref.all_reduce(full, ref_mesh, ds, op)[mine])
+    for d in names:
+        k = mesh.dim_size(d)
+        for axis in (0, 1):
+            same(f"all_gather {d} {axis}", comm.all_gather(x, mesh, d, axis), ref.all_gather(full, ref_mesh, d, axis)[mine])
+            if local_shape[axis] % k == 0:
+                same(f"shard {d} {axis}", comm.shard(x, mesh, d, axis), ref.shard(full, ref_mesh, d, axis)[mine])
+                for op in ("sum", "max"):
+                    same(f"reduce_scatter {d} {axis} {op}", comm.reduce_scatter(x, mesh, d, axis, op),
+                         ref.reduce_scatter(full, ref_mesh, d, axis, op)[mine])
+        for ga, sa in ((0, 1), (1, 0)):
+            if local_shape[sa] % k == 0:
+                same(f"all_to_all {d} {ga}->{sa}", comm.all_to_all(x, mesh, d, ga, sa),
+                     ref.all_to_all(full, ref_mesh, d, ga, sa)[mine])
+    xi = (full * 3).to(torch.int64)[mine]
+    same("all_reduce int", comm.all_reduce(xi, mesh, (names[0],), "max"),
+         ref.all_reduce((full * 3).to(torch.int64), ref_mesh, (names[0],), "max")[mine])
+    xb = (full > 0)[mine]
+    same("all_gather bool", comm.all_gather(xb, mesh, names[0], 0), ref.all_gather(full > 0, ref_mesh, names[0], 0)[mine])
+
+    # relayout from every layout to every other, through the planner (values and components)
+    shape = (12, 6)
+    value = torch.arange(72, dtype=torch.float64).reshape(shape)
+    specs = [U] + names
+    layouts = [(a, b) for a in specs for b in specs if a == U or a != b]
+    layouts = [(a, b) for a, b in layouts if shape[0] % (mesh.dim_size(a) if a != U else 1) == 0
+               and shape[1] % (mesh.dim_size(b) if b != U else 1) == 0]
+    for src in layouts:
+        t = spmd.copy_to_mesh(value, Layout(list(src), mesh))
+        for dst in layouts:
+            got = spmd.relayout(t, Layout(list(dst), mesh))
+            want = spmd.relayout(spmd.copy_to_mesh(value, Layout(list(src), ref_mesh)), Layout(list(dst), ref_mesh))
+            same(f"relayout {src}->{dst}", got._local, want._local[mine])
+            same(f"to_global {dst}", spmd.to_global(got), value)
+    # a matmul with a sharded contraction (a pending sum across clients), a sum, a mean, a max
+    a = torch.arange(48, dtype=torch.float64).reshape(4, 12) / 7
+    b = torch.arange(36, dtype=torch.float64).reshape(12, 3) / 5
+    for c in names:
+        if 12 % mesh.dim_size(c) or 4 % mesh.dim_size(names[-1]):
+            continue
+        rows = names[-1] if names[-1] != c else U
+        da = spmd.copy_to_mesh(a, Layout([rows, c], mesh))
+        db = spmd.copy_to_mesh(b, Layout([c, U], mesh))
+        prod = da @ db
+        same(f"matmul contract {c}", spmd.to_global(prod), a @ b, exact=False)
+        same(f"sum {c}", spmd.to_global(da.sum()), a.sum(), exact=False)
+        same(f"max {c}", spmd.to_global(da.amax(dim=1)), a.amax(dim=1), exact=False)
+        same(f"mean {c}", spmd.to_global(da.mean(dim=0)), a.mean(dim=0), exact=False)
+    spmd.barrier(mesh)
+    return checks, failures
+
+
+def _mlp_losses(mesh, steps=4):
+    """A small MLP (DVariables, batch x model layouts, SGD with momentum) in float64; returns the losses."""
+    import torch
+    import spmd
+    from spmd import UNSHARDED as U, Layout
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(16, 8, generator=gen, dtype=torch.float64)
+    y = torch.randn(16, 4, generator=gen, dtype=torch.float64)
+    w1 = torch.randn(8, 12, generator=gen, dtype=torch.float64) / 3
+    b1 = torch.randn(12, generator=gen, dtype=torch.float64) / 3
+    w2 = torch.randn(12, 4, generator=gen, dtype=torch.float64) / 4
+    params = [spmd.DVariable(w1, layout=Layout([U, "model"], mesh)), spmd.DVariable(b1, layout=Layout(["model"], mesh)),
+              spmd.DVariable(w2, layout=Layout(["model", U], mesh))]
+    dx = spmd.copy_to_mesh(x, Layout(["batch", U], mesh))
+    dy = spmd.copy_to_mesh(y, Layout(["batch", U], mesh))
+    opt = torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    losses = []
+    for _ in range(steps):
+        loss = ((torch.tanh(dx @ params[0] + params[1]) @ params[2] - dy) ** 2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    layouts = [spmd.fetch_layout(p).sharding_specs for p in params]
+    return losses, layouts
+
+
+def training():
+    import spmd
+    spmd.initialize_accelerator_system("CPU", num_logical_cpu_devices=2)
+    mesh = spmd.create_distributed_mesh([("batch", 2), ("model", 2)])
+    losses, layouts = _mlp_losses(mesh)
+    _result({"client": spmd.client_id(), "losses": losses, "layouts": layouts})
+
+
+def dead_client():
+    import torch
+    import spmd
+    from spmd import Layout
+    spmd.initialize_accelerator_system("CPU", num_logical_cpu_devices=2)
+    mesh = spmd.create_distributed_mesh([("x", 4)])
+    t = spmd.pack([torch.ones(2), torch.ones(2)], Layout(["x"], mesh))
+    t.sum().item()  # both clients are alive here
+    if spmd.client_id() == 1:
+        if os.environ.get("SPMD_TEST_FAULT") == "stall":
+            time.sleep(60)
+        os._exit(0)  # dies without a word
+    start = time.monotonic()
+    try:
+        spmd.relayout(t, Layout.replicated(mesh, 1))
+        _result({"error": None})
+    except spmd.CollectiveError as e:
+        _result({"error": str(e), "type": type(e).__name__, "elapsed": time.monotonic() - start})
+
+
+def mismatch():
+    import spmd
+    spmd.initialize_accelerator_system("CPU", num_logical_cpu_devices=2)
+    dims = [("x", 4)] if spmd.client_id() == 0 else [("x", 2), ("y", 2)]
+    try:
+        spmd.create_distributed_mesh(dims, mesh_name="m")
+        _result({"error": None})
+    except ValueError as e:
+        _result({"error": str(e), "type": type(e).__name__})
+
+
+def dtensor_env():
+    import torch
+    import spmd
+    from spmd import Layout
+    before = {"client": spmd.client_id(), "num_clients": spmd.num_clients(), "job": spmd.job_name(),
+              "jobs": spmd.runtime.jobs(), "full_job_name": spmd.runtime.full_job_name()}
+    spmd.initialize_accelerator_system("CPU", num_logical_cpu_devices=1)
+    mesh = spmd.create_distributed_mesh([("x", 2)])
+    t = spmd.pack([torch.tensor([float(spmd.client_id() + 1)])], Layout(["x"], mesh))
+    _result({"before": before, "sum": t.sum().item(), "mesh": mesh.to_string(),
+             "local_devices": spmd.local_devices("CPU")})
+
+
+if __name__ == "__main__":
+    globals()[sys.argv[1]]()

@@ -1,0 +1,233 @@
+"""Multi-client mode: real 2-process runs on 127.0.0.1 (gloo), and the runtime's single-process behaviour.
+
+Every subprocess runs under a hard timeout and is killed when it overruns, so a bug can fail these tests but
+never hang the suite.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import spmd
+from spmd import runtime
+
+WORKER = Path(__file__).with_name("multiclient_worker.py")
+HARD_TIMEOUT = 90  # seconds for a whole run (the slowest takes ~10 s)
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _clean_env() -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DTENSOR_", "SPMD_"))}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(spmd.__file__).parents[1]), env.get("PYTHONPATH")]))
+    return env
+
+
+def launch(scenario: str, n: int = 2, timeout_s: float = 10, env: dict | None = None, dtensor_env: bool = False,
+           wait_for: tuple[int, ...] | None = None) -> list[dict]:
+    """Runs `scenario` of multiclient_worker.py as `n` clients; returns each client's RESULT (None if none).
+
+    `wait_for`: the clients whose exit is awaited (the others are killed once those are done)."""
+    port = _free_port()
+    procs = []
+    for rank in range(n):
+        e = _clean_env()
+        if dtensor_env:  # TF's variables: the rendezvous is client 0's address
+            e.update(DTENSOR_JOBS=",".join(f"127.0.0.1:{port + i if i else port}" for i in range(n)),
+                     DTENSOR_CLIENT_ID=str(rank))
+        else:  # what torchrun sets
+            e.update(RANK=str(rank), WORLD_SIZE=str(n), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                     MASTER_PORT=str(port))
+        e["SPMD_COLLECTIVE_TIMEOUT"] = str(timeout_s)
+        e.update(env or {})
+        procs.append(subprocess.Popen([sys.executable, str(WORKER), scenario], env=e, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    deadline = time.monotonic() + HARD_TIMEOUT
+    outputs: list = [None] * n
+    try:
+        for rank in (wait_for if wait_for is not None else range(n)):
+            try:
+                outputs[rank] = procs[rank].communicate(timeout=max(deadline - time.monotonic(), 1))
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"client {rank} of {scenario} ran past {HARD_TIMEOUT}s")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.communicate()
+    results = []
+    for rank, out in enumerate(outputs):
+        if out is None:
+            results.append(None)
+            continue
+        lines = [line for line in out[0].splitlines() if line.startswith("RESULT ")]
+        if wait_for is None and procs[rank].returncode != 0:
+            pytest.fail(f"client {rank} of {scenario} exited with {procs[rank].returncode}:\n{out[1][-3000:]}")
+        results.append(json.loads(lines[-1][len("RESULT "):]) if lines else None)
+    return results
+
+
+# -- real multi-client runs ------------------------------------------------------------------------------------------
+def test_dtensor_docs_example():
+    """TF's real 2-client probe: 2 clients x 2 CPUs, each packs its 2 components; the sum is 6.0 everywhere."""
+    results = launch("docs_example")
+    for c, r in enumerate(results):
+        assert r["client"] == c and r["num_clients"] == 2 and r["job"] == "worker"
+        assert r["local_devices"] == [f"/job:worker/replica:0/task:{c}/device:CPU:{i}" for i in range(2)]
+        assert r["num_global"] == 4 and r["local_ids"] == [2 * c, 2 * c + 1]
+        prefix = f"/job:worker/replica:0/task:{c}/device:CPU:"
+        assert r["mesh"] == f"|x=4|0,1,2,3|{2 * c},{2 * c + 1}|{prefix}0,{prefix}1"
+        assert r["shape"] == [4] and r["sum"] == 6.0
+        assert r["replicated"] == [0.0, 1.0, 2.0, 3.0] and r["global"] == [0.0, 1.0, 2.0, 3.0]
+        assert r["unpacked"] == [[2.0 * c], [2.0 * c + 1]]  # local components only
+        assert "expected 2 components" in r["pack_error"] and "local device" in r["pack_error"]
+        assert r["shutdown_error"] == "Shutting down accelerator system under multi-client mode is not supported."
+        assert r["fully_local"] is False and r["torch_device"] == "cpu"
+
+
+def test_collectives_match_in_process_backend():
+    """Every backend method, every relayout between layouts, a sharded contraction and reductions, on meshes whose
+    groups are local, split 1+1, 2+2 and unequally 2+1 between the clients, equal the one-process results."""
+    results = launch("collectives")
+    for r in results:
+        assert r["failures"] == [] and r["checks"] > 700
+
+
+def test_training_parity_with_one_process():
+    """An MLP with DVariables on batch x model: 2 clients x 2 devices == 1 process x 4 devices (float64)."""
+    sys.path.insert(0, str(WORKER.parent))
+    try:
+        from multiclient_worker import _mlp_losses
+    finally:
+        sys.path.remove(str(WORKER.parent))
+    single, layouts = _mlp_losses(spmd.create_mesh([("batch", 2), ("model", 2)]))
+    for r in launch("training"):
+        assert r["layouts"] == layouts
+        assert r["losses"] == pytest.approx(single, rel=1e-9)
+    assert single[-1] < single[0]
+
+
+def test_dead_client_fails_fast():
+    """A client that exits before a collective: the other gets a CollectiveError naming it and the collective."""
+    timeout = 4
+    r = launch("dead_client", timeout_s=timeout, wait_for=(0,))[0]
+    assert r["type"] == "CollectiveError", r
+    assert "client 0 of 2" in r["error"] and "all_gather" in r["error"] and "client(s) [1]" in r["error"]
+    assert r["elapsed"] < timeout + 3
+
+
+def test_stalled_client_times_out():
+    """A client that stalls (alive, never joins the collective): the other fails after the configured timeout."""
+    timeout = 3
+    r = launch("dead_client", timeout_s=timeout, env={"SPMD_TEST_FAULT": "stall"}, wait_for=(0,))[0]
+    assert r["type"] == "CollectiveError", r
+    assert "client(s) [1]" in r["error"] and "all_gather" in r["error"] and f"timeout is {timeout}s" in r["error"]
+    assert timeout - 0.5 < r["elapsed"] < timeout + 3
+
+
+def test_mesh_disagreement_is_an_error_on_every_client():
+    for c, r in enumerate(launch("mismatch")):
+        assert r["type"] == "ValueError", r
+        assert "m|x=4" in r["error"] and "m|x=2,y=2" in r["error"] and f"client {c} creates" in r["error"]
+
+
+def test_initialisation_from_dtensor_variables():
+    """DTENSOR_JOBS / DTENSOR_CLIENT_ID instead of torchrun's variables."""
+    results = launch("dtensor_env", dtensor_env=True)
+    for c, r in enumerate(results):
+        assert r["before"]["client"] == c and r["before"]["num_clients"] == 2 and r["before"]["job"] == "worker"
+        assert r["before"]["full_job_name"] == f"worker/replica:0/task:{c}" and len(r["before"]["jobs"]) == 2
+        assert r["sum"] == 3.0 and r["local_devices"] == [f"/job:worker/replica:0/task:{c}/device:CPU:0"]
+        assert r["mesh"] == f"|x=2|0,1|{c}|/job:worker/replica:0/task:{c}/device:CPU:0"
+
+
+# -- the runtime in one process --------------------------------------------------------------------------------------
+@pytest.fixture
+def clean_env(monkeypatch):
+    for k in ("DTENSOR_JOBS", "DTENSOR_CLIENT_ID", "DTENSOR_JOB_NAME", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+              "SPMD_COLLECTIVE_TIMEOUT"):
+        monkeypatch.delenv(k, raising=False)
+    yield monkeypatch
+    if runtime.is_initialized():
+        runtime.shutdown_accelerator_system()
+
+
+def test_config_defaults_need_no_initialisation(clean_env):
+    assert spmd.client_id() == 0 and spmd.num_clients() == 1 and spmd.job_name() == "localhost"
+    assert runtime.full_job_name() == "localhost/replica:0/task:0" and runtime.jobs() == []
+    assert spmd.local_devices("CPU") == ["/job:localhost/replica:0/task:0/device:CPU:0"]
+    assert spmd.num_local_devices("CPU") == spmd.num_global_devices("CPU") == 1
+    assert not runtime.is_initialized()
+    with pytest.raises(ValueError, match="Device type XPU is not CPU, GPU, or TPU."):
+        spmd.local_devices("XPU")
+    with pytest.raises(ValueError, match="Unexpected task ID 1 in local runs"):
+        runtime.full_job_name(1)
+
+
+def test_config_errors(clean_env):
+    clean_env.setenv("DTENSOR_CLIENT_ID", "-1")
+    with pytest.raises(ValueError, match="must be >= 0, got -1"):
+        spmd.client_id()
+    clean_env.setenv("DTENSOR_JOBS", "localhost:1,localhost:2")
+    clean_env.setenv("DTENSOR_CLIENT_ID", "2")
+    with pytest.raises(ValueError, match="must be < 2, got 2"):
+        spmd.client_id()
+    clean_env.setenv("DTENSOR_CLIENT_ID", "1")
+    assert spmd.client_id() == 1 and spmd.num_clients() == 2 and spmd.job_name() == "worker"
+    assert spmd.num_global_devices("CPU") == 2
+    clean_env.setenv("DTENSOR_JOBS", "/bns/localhost/1,/bns/localhost/0")
+    with pytest.raises(ValueError, match="Unexpected DTENSOR_JOBS"):
+        runtime.jobs()
+
+
+def test_single_client_initialise_and_shutdown(clean_env):
+    with pytest.raises(ValueError, match="Accelerators are uninitialized"):
+        spmd.create_distributed_mesh([("x", 2)])
+    with pytest.raises(ValueError, match="Accelerator system is not initialized"):
+        spmd.shutdown_accelerator_system()
+    with pytest.raises(ValueError, match="Unknown device_type XPU"):
+        spmd.initialize_accelerator_system("XPU")
+    assert spmd.initialize_accelerator_system("cpu", num_logical_cpu_devices=4, collective_timeout=7) == "CPU"
+    with pytest.raises(ValueError, match="already been initialized"):
+        spmd.initialize_accelerator_system("CPU")
+    assert spmd.num_local_devices("CPU") == 4 and runtime.collective_timeout().total_seconds() == 7
+    mesh = spmd.create_distributed_mesh([("x", 2), ("y", 2)], mesh_name="m")
+    assert mesh.is_fully_local() and mesh.local_device_ids() == [0, 1, 2, 3]
+    assert mesh.local_devices()[3] == "/job:localhost/replica:0/task:0/device:CPU:3"
+    with pytest.raises(ValueError, match=r"Global number of devices \(4 per client \* 1 clients = 4\)"):
+        spmd.create_distributed_mesh([("x", 8)])
+    t = spmd.copy_to_mesh(torch.arange(4.0), spmd.Layout(["x"], mesh))
+    assert t.sum().item() == 6.0
+    spmd.barrier(mesh)
+    spmd.shutdown_accelerator_system()
+    assert not runtime.is_initialized()
+
+
+def test_mesh_of_other_clients_without_initialisation(clean_env):
+    """A mesh naming another task's devices parses, is not fully local, and its collectives explain what to do."""
+    mesh = spmd.Mesh.from_string("|x=4|0,1,2,3|2,3|/job:worker/replica:0/task:1/device:CPU:0,"
+                                 "/job:worker/replica:0/task:1/device:CPU:1")
+    assert not mesh.is_fully_local() and mesh.torch_device == torch.device("cpu")
+    t = spmd.pack([torch.ones(1), torch.ones(1)], spmd.Layout(["x"], mesh))
+    with pytest.raises(ValueError, match="one per local device"):
+        spmd.pack([torch.ones(1)] * 4, spmd.Layout(["x"], mesh))
+    with pytest.raises(NotImplementedError, match="initialize_accelerator_system"):
+        t.sum()
