@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import copy
 import json
 import os
@@ -201,7 +202,7 @@ def _rss_main(variant: str, shape: dict, steps: int) -> None:
     data, vocab = load_corpus()
     torch.manual_seed(0)
     reference = GPT(make_config(shape, vocab))
-    ctx = torch_dist_ws1() if variant == "dt" else _nullcontext()
+    ctx = torch_dist_ws1() if variant == "dt" else contextlib.nullcontext()
     with ctx:
         v = Variant(variant, reference, shape)
         del reference
@@ -575,7 +576,7 @@ def main(argv=None) -> dict:
     torch.set_num_threads(1)
     warnings.simplefilter("ignore", UserWarning)
     t0 = time.time()
-    with torch_dist_ws1() if "dt" in variants else _nullcontext():
+    with torch_dist_ws1() if "dt" in variants else contextlib.nullcontext():
         out = run(shape, steps, reps, warm, variants, rss=not a.no_rss)
     elapsed = time.time() - t0
     md = report(out, steps, reps, warm, a.quick, elapsed)
@@ -585,13 +586,6 @@ def main(argv=None) -> dict:
     print("wrote " + ", ".join(paths))
     return data
 
-
-class _nullcontext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 if __name__ == "__main__":

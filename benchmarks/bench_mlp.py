@@ -9,6 +9,7 @@ The model, data and optimisers follow /work/shared/peer-bench/bench_mlp.py; see 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import os
 import statistics
@@ -25,8 +26,8 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import spmd
-from spmd import Layout, UNSHARDED
 from benchmarks._common import environment, fmt, md_table, ratio, torch_dist_ws1, write_results
+from spmd import UNSHARDED, Layout
 
 CONFIGS = [(64, 256, 4, 32), (256, 1024, 4, 32)]
 QUICK_CONFIGS = [(16, 32, 2, 8)]
@@ -206,7 +207,7 @@ def main(argv=None) -> dict:
     warnings.simplefilter("ignore", UserWarning)
     t0 = time.time()
     results = {}
-    with torch_dist_ws1() if not a.no_dt else _nullcontext():
+    with torch_dist_ws1() if not a.no_dt else contextlib.nullcontext():
         for cfg in configs:
             results[cfg] = run_config(*cfg, steps, reps, warm, variants)
     elapsed = time.time() - t0
@@ -263,13 +264,6 @@ def main(argv=None) -> dict:
     print("wrote " + ", ".join(paths))
     return data
 
-
-class _nullcontext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 if __name__ == "__main__":

@@ -8,8 +8,8 @@ Cases follow /work/shared/peer-bench/bench_ops.py (64x64 fp32, torch.set_num_thr
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
-import io
 import os
 import pstats
 import statistics
@@ -23,9 +23,18 @@ if __package__ in (None, ""):
 import torch
 
 import spmd
-from spmd import Layout, UNSHARDED
-from benchmarks._common import (diff, environment, fmt, md_table, med, ratio, time_cases, time_once, torch_dist_ws1,
-                                write_results)
+from benchmarks._common import (
+    diff,
+    environment,
+    fmt,
+    md_table,
+    med,
+    ratio,
+    time_cases,
+    torch_dist_ws1,
+    write_results,
+)
+from spmd import UNSHARDED, Layout
 
 NDEV = (1, 8)
 
@@ -327,7 +336,7 @@ def main(argv=None) -> dict:
     A, B = torch.randn(n, n), torch.randn(n, n)
     sides = {k: SpmdSide(k, A, B) for k in NDEV}
     t0 = time.time()
-    with torch_dist_ws1() if not a.no_dt else _nullcontext():
+    with torch_dist_ws1() if not a.no_dt else contextlib.nullcontext():
         dt = None if a.no_dt else make_dt(A, B)
         ops = [(name, time_cases(cols, iters, reps, warm)) for name, cols in op_cases(n, A, B, sides, dt)]
         rel = [(name, time_cases(cols, iters, reps, warm)) for name, cols in relayout_cases(n, A, sides, dt)]
@@ -406,13 +415,6 @@ def main(argv=None) -> dict:
     print("wrote " + ", ".join(paths))
     return data
 
-
-class _nullcontext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 if __name__ == "__main__":
