@@ -22,7 +22,7 @@ from spmd.layout import UNSHARDED, Layout
 @dataclass
 class DemoArgs:
     mesh: str = "batch=4,model=2"
-    steps: int = 60
+    steps: int = 200
     batch_size: int = 32
     block_size: int = 32
     n_layer: int = 2
@@ -150,7 +150,10 @@ def run(args: DemoArgs, console: Console | None = None) -> dict:
     data, vocab = load_corpus()
     mesh_dims = parse_mesh(args.mesh)
     n = math.prod(size for _, size in mesh_dims)
-    mesh = spmd.create_mesh(mesh_dims, devices=_devices(n, args.device))
+    if spmd.runtime.is_initialized() and spmd.num_clients() > 1:  # this client's share of the devices
+        mesh = spmd.create_distributed_mesh(mesh_dims, local_devices=_devices(n // spmd.num_clients(), args.device))
+    else:
+        mesh = spmd.create_mesh(mesh_dims, devices=_devices(n, args.device))
     cfg = GPTConfig(vocab_size=vocab, block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head,
                     d_model=args.d_model, dropout=args.dropout)
     torch.manual_seed(args.seed)
@@ -160,7 +163,7 @@ def run(args: DemoArgs, console: Console | None = None) -> dict:
     spmd.distribute_module(model, mesh, spmd.LayoutMap(megatron_layouts(model_dim)))
     console.print(f"GPT: {sum(p.numel() for p in reference.parameters()):,} parameters, {cfg.n_layer} layers, "
                   f"d_model {cfg.d_model}, {cfg.n_head} heads, vocabulary {vocab}; mesh {mesh_dims} on "
-                  f"{mesh.torch_device}; global batch {args.batch_size} x {args.block_size} tokens")
+                  f"{mesh.torch_device}{_clients()}; global batch {args.batch_size} x {args.block_size} tokens")
     console.print(layout_table(model))
     losses, seconds, opt = train_spmd(model, mesh, args, data, console)
     console.print(memory_table(model, opt))
@@ -169,6 +172,11 @@ def run(args: DemoArgs, console: Console | None = None) -> dict:
     if args.check:
         result.update(_check(reference, args, data, losses, console))
     return result
+
+
+def _clients() -> str:
+    n = spmd.num_clients() if spmd.runtime.is_initialized() else 1
+    return f" ({n} clients x {spmd.num_local_devices(spmd.runtime._state().device_type)} devices)" if n > 1 else ""
 
 
 def _check(reference: GPT, args: DemoArgs, data, losses: list[float], console: Console) -> dict:
