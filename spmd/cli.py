@@ -4,7 +4,12 @@ meshes, layouts, DTensors and SPMD expansion."""
 from __future__ import annotations
 
 import argparse
+import math
+import os
+import socket
+import subprocess
 import sys
+import time
 
 import torch
 from rich.console import Console
@@ -90,11 +95,56 @@ def _train(console: Console, steps: int) -> None:
     console.print(f"parameters keep their layouts: {[spmd.fetch_layout(p).sharding_specs for p in params]}")
 
 
-def demo(args) -> int:
-    from spmd.demo.train import DemoArgs, run
+def demo(args, argv: list[str]) -> int:
+    from spmd.demo.train import DemoArgs, parse_mesh, run
+    in_job = int(os.environ.get("WORLD_SIZE", "1") or 1) > 1 or bool(os.environ.get("DTENSOR_JOBS"))
+    if args.clients > 1 and not in_job:
+        return _launch_clients(args.clients, argv)
+    console = Console()
+    if in_job:  # one client of a multi-client job (torchrun, `--clients`, or DTENSOR_JOBS): client 0 prints
+        size = math.prod(s for _, s in parse_mesh(args.mesh))
+        clients = spmd.num_clients()
+        if size % clients:
+            raise SystemExit(f"--mesh {args.mesh} has {size} devices, which do not split over {clients} clients")
+        spmd.initialize_accelerator_system("GPU" if args.device == "cuda" else "CPU",
+                                           num_logical_cpu_devices=size // clients)
+        console = Console(quiet=spmd.client_id() != 0)
     fields = {k: v for k, v in vars(args).items() if k in DemoArgs.__dataclass_fields__}
-    result = run(DemoArgs(**fields), Console())
+    result = run(DemoArgs(**fields), console)
     return 0 if result.get("parity", True) else 1
+
+
+def _launch_clients(n: int, argv: list[str]) -> int:
+    """Runs the demo as `n` client processes on this machine (the environment torchrun would give them)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(n):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(n), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(n),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        # as torchrun: the clients share the cores instead of each starting a thread per core
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n)))
+        procs.append(subprocess.Popen([sys.executable, "-m", "spmd.cli", *argv], env=env,
+                                      stdout=None if rank == 0 else subprocess.DEVNULL))
+    codes = [None] * n
+    try:
+        while any(c is None for c in codes):
+            for rank, p in enumerate(procs):
+                codes[rank] = p.poll()
+                if codes[rank] not in (None, 0):  # one client failed: stop the others
+                    for other in procs:
+                        if other.poll() is None:
+                            other.terminate()
+                    for other in procs:
+                        other.wait()
+                    return codes[rank]
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return 0
 
 
 def main(argv=None) -> int:
@@ -121,10 +171,15 @@ def main(argv=None) -> int:
     train.add_argument("--seed", type=int, default=defaults.seed)
     train.add_argument("--no-check", dest="check", action="store_false",
                        help="skip the single-device run that checks the loss curve")
+    train.add_argument("--clients", type=int, default=1,
+                       help="run as this many client processes on this machine (a multi-client job over "
+                            "torch.distributed, as torchrun --nproc-per-node N would); the mesh's devices are "
+                            "split evenly over the clients")
     guided = commands.add_parser("tour", help="a guided tour of meshes, layouts, DTensors and SPMD expansion")
     guided.add_argument("--steps", type=int, default=5, help="training steps in the last section")
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
-    return demo(args) if args.command == "demo" else tour(args)
+    return demo(args, argv) if args.command == "demo" else tour(args)
 
 
 if __name__ == "__main__":

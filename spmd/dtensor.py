@@ -190,8 +190,10 @@ def pack(tensors: Sequence[Any], layout: Layout) -> DTensor:
     mesh = layout.mesh
     expected = mesh.num_local_devices()
     if len(tensors) != expected:
+        share = "" if mesh.is_fully_local() else (
+            f"; this client holds {expected} of the mesh's {mesh.size} devices and packs only their components")
         raise LayoutError(f"pack expected {expected} components (one per local device of {mesh!r}), "
-                          f"but got {len(tensors)}")
+                          f"but got {len(tensors)}{share}")
     components = [t if isinstance(t, torch.Tensor) else torch.as_tensor(t) for t in tensors]
     first = components[0]
     for i, c in enumerate(components):

@@ -221,5 +221,34 @@ def dtensor_env():
              "local_devices": spmd.local_devices("CPU")})
 
 
+def dataset():
+    """DTensorDataset on a multi-client mesh: each client reads only the rows its devices hold; a training step
+    on the batches gives the one-process value."""
+    import torch
+    import spmd
+    from spmd import UNSHARDED as U, Layout
+    spmd.initialize_accelerator_system("CPU", num_logical_cpu_devices=2)
+    mesh = spmd.create_distributed_mesh([("batch", 2), ("model", 2)])
+
+    class Rows(torch.utils.data.Dataset):
+        read = []
+
+        def __len__(self):
+            return 32
+
+        def __getitem__(self, i):
+            self.read.append(i)
+            return torch.full((3,), float(i)), torch.tensor(i % 5)
+
+    data = Rows()
+    ds = spmd.DTensorDataset(data, mesh=mesh, layouts=(Layout(["batch", U], mesh), Layout(["batch"], mesh)),
+                             global_batch_size=8, batch_dim="batch")
+    sums, components = [], []
+    for x, y in ds:
+        components.append([c[:, 0].tolist() for c in spmd.unpack(x)])
+        sums.append((x.sum() + y.sum()).item())
+    _result({"client": spmd.client_id(), "read": sorted(data.read), "sums": sums, "components": components[0]})
+
+
 if __name__ == "__main__":
     globals()[sys.argv[1]]()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -58,8 +59,9 @@ def launch(scenario: str, n: int = 2, timeout_s: float = 10, env: dict | None = 
                      MASTER_PORT=str(port))
         e["SPMD_COLLECTIVE_TIMEOUT"] = str(timeout_s)
         e.update(env or {})
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), scenario], env=e, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
+        cmd = [str(scenario)] if str(scenario).endswith(".py") else [str(WORKER), scenario]
+        procs.append(subprocess.Popen([sys.executable, *cmd], env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))
     deadline = time.monotonic() + HARD_TIMEOUT
     outputs: list = [None] * n
     try:
@@ -73,6 +75,7 @@ def launch(scenario: str, n: int = 2, timeout_s: float = 10, env: dict | None = 
             if p.poll() is None:
                 p.kill()
             p.communicate()
+    launch.outputs = outputs
     results = []
     for rank, out in enumerate(outputs):
         if out is None:
@@ -159,6 +162,28 @@ def test_initialisation_from_dtensor_variables():
         assert r["mesh"] == f"|x=2|0,1|{c}|/job:worker/replica:0/task:{c}/device:CPU:0"
 
 
+def test_dataset_reads_only_local_rows():
+    """Client c of a batch=2 x model=2 mesh holds batch shard c: it reads rows 4c..4c+3 of each batch of 8."""
+    results = launch("dataset")
+    expected_sums = [sum(3.0 * i + i % 5 for i in range(8 * b, 8 * b + 8)) for b in range(4)]
+    for c, r in enumerate(results):
+        own = {8 * b + 4 * c + i for b in range(4) for i in range(4)}
+        assert set(r["read"]) - {0} == own - {0}  # plus row 0, read once to learn the element shapes
+        assert r["sums"] == expected_sums
+        assert r["components"] == [[4.0 * c + i for i in range(4)]] * 2
+
+
+def test_multiclient_guide_script(tmp_path):
+    """The complete program of docs/multiclient.md, as 2 clients."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "multiclient.md").read_text()
+    script = tmp_path / "train_mc.py"
+    script.write_text(re.findall(r"^```python\n(.*?)^```$", text, flags=re.M | re.S)[0])
+    launch(script)
+    out0, out1 = (o[0] for o in launch.outputs)
+    assert [line.split()[1] for line in out0.splitlines() if line.startswith("step")] == ["0", "1", "2"]
+    assert out1 == ""  # only client 0 prints
+
+
 # -- the runtime in one process --------------------------------------------------------------------------------------
 @pytest.fixture
 def clean_env(monkeypatch):
@@ -231,3 +256,21 @@ def test_mesh_of_other_clients_without_initialisation(clean_env):
         spmd.pack([torch.ones(1)] * 4, spmd.Layout(["x"], mesh))
     with pytest.raises(NotImplementedError, match="initialize_accelerator_system"):
         t.sum()
+
+
+def test_demo_as_two_clients():
+    """`spmd demo --clients 2`: the GPT demo as 2 client processes; only client 0 prints; same loss curve."""
+    cmd = [sys.executable, "-m", "spmd.cli", "demo", "--clients", "2", "--steps", "3", "--batch-size", "8",
+           "--block-size", "16", "--d-model", "32"]
+    env = dict(_clean_env(), SPMD_COLLECTIVE_TIMEOUT="30")
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=HARD_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)  # the launcher and its clients
+        proc.communicate()
+        pytest.fail(f"spmd demo --clients 2 ran past {HARD_TIMEOUT}s")
+    assert proc.returncode == 0, err[-3000:]
+    assert out.count("loss curves") == 1 and "equal" in out  # client 0 only
+    assert "2 clients x 4 devices" in out
