@@ -19,6 +19,7 @@ import atexit
 import datetime
 import math
 import os
+import sys
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -215,8 +216,10 @@ def initialize_accelerator_system(device_type: str | None = None, enable_coordin
             raise ValueError(f"torch.distributed is already initialised as rank {dist.get_rank()} of "
                              f"{dist.get_world_size()}, but this client is {cid} of {n}")
         control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
-        if backend == "nccl":  # NCCL wants an explicit teardown; gloo's can abort when a peer left first
-            atexit.register(_destroy)
+        global _EXIT_GROUP
+        _EXIT_GROUP = dist.new_group(backend="gloo", timeout=min(timeout, datetime.timedelta(seconds=30)))
+        _watch_for_crashes()
+        atexit.register(_leave)
     _STATE = _State(t, cid, n, num_local, local_rank, timeout, backend, control)
     return t
 
@@ -235,12 +238,32 @@ def shutdown_accelerator_system() -> None:
     _STATE = None
 
 
-def _destroy() -> None:
+_EXIT_GROUP = None
+_CRASHED = False
+
+
+def _watch_for_crashes() -> None:
+    hook = sys.excepthook
+
+    def crashed(*exc_info):
+        global _CRASHED
+        _CRASHED = True
+        hook(*exc_info)
+    sys.excepthook = crashed
+
+
+def _leave() -> None:
+    """At exit: the clients meet once more, then tear down together (tearing down while a peer is still using
+    the connections can abort the process). After a crash the client leaves at once, so that its peers' next
+    collective fails now rather than after the timeout."""
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        return
     try:
-        import torch.distributed as dist
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    except Exception:  # noqa: BLE001 - best effort at interpreter exit
+        if not _CRASHED:
+            dist.barrier(group=_EXIT_GROUP)
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - a peer died or stalled: nothing left to do at exit
         pass
 
 

@@ -188,6 +188,8 @@ def dead_client():
     if spmd.client_id() == 1:
         if os.environ.get("SPMD_TEST_FAULT") == "stall":
             time.sleep(60)
+        if os.environ.get("SPMD_TEST_FAULT") == "raise":
+            raise RuntimeError("a bug in client 1")  # an unhandled exception: the client exits with an error
         os._exit(0)  # dies without a word
     start = time.monotonic()
     try:
@@ -248,6 +250,34 @@ def dataset():
         components.append([c[:, 0].tolist() for c in spmd.unpack(x)])
         sums.append((x.sum() + y.sum()).item())
     _result({"client": spmd.client_id(), "read": sorted(data.read), "sums": sums, "components": components[0]})
+
+
+def multi_mesh():
+    """The RFC's distributed embedding (tests/test_multi_mesh.py) with both meshes spread over the clients."""
+    import torch
+    import torch.nn.functional as F
+    import spmd
+    from spmd import UNSHARDED as U, Layout
+    spmd.initialize_accelerator_system("CPU", num_logical_cpu_devices=2)
+    compute = spmd.create_distributed_mesh([("batch", 2), ("model", 2)])
+    embedding = spmd.create_distributed_mesh([("e", 2)], mesh_name="embedding", local_devices=["CPU:2"])
+    torch.manual_seed(0)
+    table_value, proj_value = torch.randn(16, 6, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)
+    ids = torch.randint(0, 16, (4, 5))
+    table = spmd.DVariable(table_value, layout=Layout([U, "e"], embedding))
+    proj = spmd.DVariable(proj_value, layout=Layout([U, "model"], compute))
+    batch = spmd.copy_to_mesh(ids, Layout(["batch", U], compute))
+    like = spmd.zeros((4, 5, 6), dtype=torch.float64, layout=Layout(["batch", U, U], compute))
+    looked_up = F.embedding(spmd.relayout(batch, Layout([U, U], embedding)), table)
+    loss = (spmd.relayout_like(looked_up, like) @ proj).square().sum()
+    loss.backward()
+    ref_table, ref_proj = table_value.clone().requires_grad_(), proj_value.clone().requires_grad_()
+    ref_loss = (F.embedding(ids, ref_table) @ ref_proj).square().sum()
+    ref_loss.backward()
+    _result({"loss": loss.item(), "ref_loss": ref_loss.item(),
+             "table_grad": (spmd.to_global(table.grad) - ref_table.grad).abs().max().item(),
+             "proj_grad": (spmd.to_global(proj.grad) - ref_proj.grad).abs().max().item(),
+             "grad_layout": spmd.fetch_layout(table.grad).sharding_specs})
 
 
 if __name__ == "__main__":

@@ -137,6 +137,13 @@ def test_dead_client_fails_fast():
     assert r["elapsed"] < timeout + 3
 
 
+def test_crashing_client_fails_the_others_fast():
+    """A client that raises (an unhandled exception) leaves at once: the others fail long before the timeout."""
+    r = launch("dead_client", timeout_s=60, env={"SPMD_TEST_FAULT": "raise"}, wait_for=(0,))[0]
+    assert r["type"] == "CollectiveError" and "client(s) [1]" in r["error"], r
+    assert r["elapsed"] < 10
+
+
 def test_stalled_client_times_out():
     """A client that stalls (alive, never joins the collective): the other fails after the configured timeout."""
     timeout = 3
@@ -171,6 +178,13 @@ def test_dataset_reads_only_local_rows():
         assert set(r["read"]) - {0} == own - {0}  # plus row 0, read once to learn the element shapes
         assert r["sums"] == expected_sums
         assert r["components"] == [[4.0 * c + i for i in range(4)]] * 2
+
+
+def test_multi_mesh_embedding():
+    """An embedding table on its own mesh, activations moved to the compute mesh; both meshes span the clients."""
+    for r in launch("multi_mesh"):
+        assert r["loss"] == pytest.approx(r["ref_loss"], rel=1e-12)
+        assert r["table_grad"] < 1e-9 and r["proj_grad"] < 1e-9 and r["grad_layout"] == ["unsharded", "e"]
 
 
 def test_multiclient_guide_script(tmp_path):
