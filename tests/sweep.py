@@ -51,8 +51,13 @@ def distribute(x: torch.Tensor, layout: Layout):
 
 
 def gather(t) -> torch.Tensor:
-    """The global value of a DTensor as a plain tensor."""
-    return spmd.to_global(t)
+    """The global value of a DTensor as a plain tensor (detached)."""
+    return spmd.to_global(t).detach()
+
+
+def components(t) -> list:
+    """Each local device's component as nested lists, in `mesh.local_devices()` order."""
+    return [c.tolist() for c in spmd.unpack(t)]
 
 
 def check_replicas(t) -> None:

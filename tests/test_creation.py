@@ -9,25 +9,24 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 import spmd
-from spmd import (UNSHARDED, DTensor, Layout, call_with_layout, copy_to_mesh,
-                  create_mesh, default_mesh, fetch_layout, get_default_mesh, is_dtensor, relayout, unpack)
+from spmd import (
+    UNSHARDED,
+    DTensor,
+    Layout,
+    call_with_layout,
+    copy_to_mesh,
+    create_mesh,
+    default_mesh,
+    fetch_layout,
+    get_default_mesh,
+    is_dtensor,
+    relayout,
+    unpack,
+)
 from spmd import random as srandom
+from tests.sweep import components, gather  # noqa: E402
 
 U = UNSHARDED
-
-
-def gather(t: DTensor) -> torch.Tensor:
-    """The global value of a DTensor (through spmd's own relayout to replicated)."""
-    return spmd.to_global(t).detach()
-
-
-def components(t: DTensor) -> list:
-    return [c.tolist() for c in unpack(t)]
-
-
-@pytest.fixture(scope="module")
-def mesh22():
-    return create_mesh([("x", 2), ("y", 2)])
 
 
 # -- call_with_layout and the layout= factories ------------------------------------------------------------------

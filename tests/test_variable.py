@@ -7,24 +7,20 @@ import pytest
 import torch
 
 import spmd
-from spmd import (UNSHARDED, DTensor, DVariable, Layout, copy_to_mesh,
-                  create_mesh, fetch_layout, is_dtensor, relayout, unpack)
+from spmd import (
+    UNSHARDED,
+    DTensor,
+    DVariable,
+    Layout,
+    copy_to_mesh,
+    create_mesh,
+    fetch_layout,
+    is_dtensor,
+    relayout,
+)
+from tests.sweep import gather  # noqa: E402
 
 U = UNSHARDED
-
-
-def gather(t: DTensor) -> torch.Tensor:
-    """The global value of a DTensor (through spmd's own relayout to replicated)."""
-    return spmd.to_global(t).detach()
-
-
-def components(t: DTensor) -> list:
-    return [c.tolist() for c in unpack(t)]
-
-
-@pytest.fixture(scope="module")
-def mesh22():
-    return create_mesh([("x", 2), ("y", 2)])
 
 
 # -- DVariable ---------------------------------------------------------------------------------------------------
