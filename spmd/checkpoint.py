@@ -400,6 +400,8 @@ class _Clients:
         import torch.distributed as dist
         self.dist = dist if dist.is_available() and dist.is_initialized() else None
         self.is_coordinator = self.dist is None or self.dist.get_rank() == 0
+        self.rank = 0 if self.dist is None else self.dist.get_rank()
+        self.size = 1 if self.dist is None else self.dist.get_world_size()
 
     def broadcast(self, value):
         if self.dist is None:
@@ -408,12 +410,24 @@ class _Clients:
         self.dist.broadcast_object_list(box, src=0)
         return box[0]
 
-    def all_ok(self, ok: bool) -> bool:
+    def outcomes(self, error: BaseException | None) -> dict[int, str]:
+        """Every client's error (`Type: message`) by rank, for the clients that failed; also a barrier. Raises
+        when a client cannot be reached (it died or stalled)."""
+        mine = None if error is None else f"{type(error).__name__}: {error}"[:2000]
         if self.dist is None:
-            return ok
-        results = [None] * self.dist.get_world_size()
-        self.dist.all_gather_object(results, ok)
-        return all(results)
+            return {} if mine is None else {0: mine}
+        results = [None] * self.size
+        self.dist.all_gather_object(results, mine)
+        return {rank: e for rank, e in enumerate(results) if e is not None}
+
+    def lost(self, what: str, path, error: BaseException):
+        """The error to raise when the other clients could not be reached during `what`."""
+        from spmd.errors import CollectiveError
+        from spmd.runtime import collective_timeout
+        return CollectiveError(
+            f"client {self.rank} of {self.size}: spmd.checkpoint.{what} of {str(path)!r} failed: the other clients "
+            f"could not be reached (one died or stalled; the collective timeout is "
+            f"{collective_timeout().total_seconds():g}s, SPMD_COLLECTIVE_TIMEOUT): {type(error).__name__}: {error}")
 
 
 class _dcp_call(warnings.catch_warnings):
@@ -431,6 +445,14 @@ class _dcp_call(warnings.catch_warnings):
         if type(error).__name__ == "CheckpointException" and failures:
             raise failures[min(failures)][0] from error
         return False
+
+
+def _is_lost_peer(error: BaseException) -> bool:
+    """A communication failure of torch.distributed (a peer closed its connection or timed out)."""
+    import torch.distributed as dist
+    text = str(error)
+    return isinstance(error, getattr(dist, "DistError", ())) or any(
+        word in text for word in ("Connection reset", "Connection closed", "Timed out", "timed out", "gloo"))
 
 
 def _fsync_dir(path: Path) -> None:
@@ -480,17 +502,34 @@ def save(state_dict: dict, path) -> None:
     token = clients.broadcast(uuid.uuid4().hex[:12] if clients.is_coordinator else None)
     tmp = path.parent / f".{path.name}.tmp-{token}"
     path.parent.mkdir(parents=True, exist_ok=True)
-    ok = False
+    error = None
     try:
         with _dcp_call():
             dcp.save(_plain(state_dict), storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True),
                      planner=SavePlanner())
         if clients.is_coordinator:
             _publish(tmp, path, token)
-        ok = True
-    finally:
-        if not clients.all_ok(ok) and clients.is_coordinator:
-            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException as e:  # noqa: BLE001 - reported below, after the clients agree on the outcome
+        error = e
+    # every client learns whether all succeeded (this is also the barrier after the rename: when save returns,
+    # `path` is complete on every client)
+    try:
+        failed = clients.outcomes(error)
+        unreachable = None
+    except Exception as e:  # noqa: BLE001 - a client died or stalled
+        failed, unreachable = {}, e
+    if failed or unreachable is not None or error is not None:
+        # nothing was published (the coordinator renames only after every client wrote its shards); removing the
+        # temporary directory is safe from any client
+        shutil.rmtree(tmp, ignore_errors=True)
+        if unreachable is not None and not isinstance(error, (KeyboardInterrupt, SystemExit)):
+            raise clients.lost("save", path, error or unreachable) from (error or unreachable)
+        if error is not None:
+            raise error
+        first = min(failed)
+        raise RuntimeError(f"client {clients.rank} of {clients.size}: spmd.checkpoint.save of {str(path)!r} failed "
+                           f"on client(s) {sorted(failed)}; no checkpoint was written. Client {first}: "
+                           f"{failed[first]}")
 
 
 def _publish(tmp: Path, path: Path, token: str) -> None:
@@ -543,6 +582,12 @@ def load(state_dict: dict, path, *, strict: bool = True) -> None:
     template = _plain(state_dict, on_load, metadata)
     flat, _ = flatten_state_dict(template)
     _check_against(flat, metadata, strict, str(path))
-    with _dcp_call():
-        dcp.load(template, storage_reader=reader, planner=LoadPlanner(allow_partial_load=not strict))
+    clients = _Clients()
+    try:
+        with _dcp_call():
+            dcp.load(template, storage_reader=reader, planner=LoadPlanner(allow_partial_load=not strict))
+    except RuntimeError as e:
+        if clients.dist is not None and _is_lost_peer(e):
+            raise clients.lost("load", path, e) from e
+        raise
     _restore(on_load + [(state_dict, template)] if isinstance(state_dict, MutableMapping) else on_load)
