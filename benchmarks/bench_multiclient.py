@@ -1,0 +1,357 @@
+"""Multi-client spmd (2 processes, gloo on 127.0.0.1, 1 thread each) vs raw torch.distributed, torch DTensor
+(world size 2) and DistributedDataParallel.
+
+(a) relayout throughput on a 1-D mesh of 2 clients x 1 device: all-gather (S0->R), all-to-all (S0->S1),
+    reduce-scatter (pending sum -> S0), all-reduce (pending sum -> R), for N x N fp32.
+(b) a data-parallel training step of benchmarks/bench_mlp.py's residual MLP (per-rank batch 32): spmd (mesh
+    batch=2, replicated DVariables, data sharded on batch) vs DDP vs torch DT (Replicate params, Shard(0) data).
+
+usage: python benchmarks/bench_multiclient.py [--quick] [--sizes 64 512 2048] [--reps R] [--steps N] [--out DIR]
+The script launches its own 2 worker processes (hard timeout); client 0 reports. See benchmarks/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+
+from benchmarks._common import environment, fmt, free_port, md_table, ratio, time_cases, write_results
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+KINDS = ("all_gather", "all_to_all", "reduce_scatter", "all_reduce")
+KIND_LABEL = {"all_gather": "all-gather S0→R", "all_to_all": "all-to-all S0→S1",
+              "reduce_scatter": "reduce-scatter P→S0", "all_reduce": "all-reduce P→R"}
+MLP = (256, 1024, 4, 32)  # D, H, L, per-rank batch
+QUICK_MLP = (16, 32, 2, 4)
+
+
+# -- the worker (one per client) -------------------------------------------------------------------------------------
+class _TimedDist:
+    """Stands in for `torch.distributed` inside spmd's collectives module: forwards everything, and adds up the
+    time spent in the torch.distributed collective calls (to split spmd's time into the call and the rest)."""
+
+    def __init__(self, dist):
+        self._dist = dist
+        self.seconds = 0.0
+
+    def __getattr__(self, name):
+        fn = getattr(self._dist, name)
+        if name not in ("all_reduce", "all_gather", "all_to_all_single"):
+            return fn
+
+        def timed(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - t
+        return timed
+
+
+def _relayout_cases(n: int, rank: int, mesh, dmesh) -> dict:
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor as TDT, Partial, Replicate, Shard
+    import spmd
+    from spmd import UNSHARDED as U, Layout
+    from spmd.redistribute import plan_on, run
+    g = torch.Generator().manual_seed(0)
+    value = torch.randn(n, n, generator=g)
+    half = value.chunk(2, 0)[rank].contiguous()
+    partial_value = value + rank  # each client's summand of a pending sum
+    s0 = spmd.copy_to_mesh(value, Layout(["x", U], mesh))
+    pending = partial_value.unsqueeze(0).contiguous()  # spmd's stacked components (1 local device)
+    to_r, to_s0 = plan_on(mesh, (None, None), (None, None), ("x",)), plan_on(mesh, (None, None), ("x", None), ("x",))
+    dt_s0 = TDT.from_local(half, dmesh, [Shard(0)], run_check=False)
+    dt_p = TDT.from_local(partial_value, dmesh, [Partial()], run_check=False)
+    parts = [torch.empty_like(half) for _ in range(2)]
+    a2a_out = torch.empty_like(half)
+    ar = partial_value.clone()
+    cases = {
+        "all_gather": {"spmd": lambda: spmd.relayout(s0, Layout([U, U], mesh)),
+                       "raw": lambda: dist.all_gather(parts, half),
+                       "dt": lambda: dt_s0.redistribute(dmesh, [Replicate()])},
+        "all_to_all": {"spmd": lambda: spmd.relayout(s0, Layout([U, "x"], mesh)),
+                       "raw": lambda: dist.all_to_all_single(a2a_out, half),
+                       "dt": lambda: dt_s0.redistribute(dmesh, [Shard(1)])},
+        "reduce_scatter": {"spmd": lambda: run(pending, mesh, to_s0),
+                           "raw": lambda: dist.all_reduce(ar),  # gloo has no reduce_scatter: what spmd does
+                           "dt": lambda: dt_p.redistribute(dmesh, [Shard(0)])},
+        "all_reduce": {"spmd": lambda: run(pending, mesh, to_r),
+                       "raw": lambda: dist.all_reduce(ar),
+                       "dt": lambda: dt_p.redistribute(dmesh, [Replicate()])},
+    }
+    # correctness, once: every variant gives the same values
+    checks = {
+        "all_gather": (spmd.to_global(cases["all_gather"]["spmd"]()), cases["all_gather"]["dt"]().to_local(), value),
+        "all_to_all": (spmd.unpack(cases["all_to_all"]["spmd"]())[0], cases["all_to_all"]["dt"]().to_local(),
+                       value.chunk(2, 1)[rank]),
+        "reduce_scatter": (run(pending, mesh, to_s0)[0], cases["reduce_scatter"]["dt"]().to_local(),
+                           (value + (value + 1)).chunk(2, 0)[rank]),
+        "all_reduce": (run(pending, mesh, to_r)[0], cases["all_reduce"]["dt"]().to_local(), value + (value + 1)),
+    }
+    ok = {k: bool(torch.allclose(a, c, atol=1e-6) and torch.allclose(b, c, atol=1e-6)) for k, (a, b, c) in checks.items()}
+    return cases, ok
+
+
+def _relayouts(args, rank, mesh, dmesh) -> dict:
+    import spmd.collectives.distributed as sd
+    out = {}
+    for n in args.sizes:
+        cases, ok = _relayout_cases(n, rank, mesh, dmesh)
+        nbytes = n * n * 4
+        iters = max(2, min(200, int(2e8 / max(nbytes, 1) / 20))) if not args.quick else 2
+        warm = 3 if args.quick else max(3, iters // 2)
+        flat = {f"{k}/{v}": fn for k, variants in cases.items() for v, fn in variants.items()}
+        res = time_cases(flat, iters, args.reps, warm=warm)
+        # where spmd's time goes: the torch.distributed call vs the rest (local combine, write-back, dispatch)
+        timed = sd.dist = _TimedDist(sd.dist)
+        try:
+            split = {}
+            for k in KINDS:
+                fn = cases[k]["spmd"]
+                timed.seconds = 0.0
+                t = time.perf_counter()
+                for _ in range(iters):
+                    fn()
+                total = (time.perf_counter() - t) / iters * 1e6
+                split[k] = {"total": total, "dist_call": timed.seconds / iters * 1e6}
+        finally:
+            sd.dist = timed._dist
+        out[str(n)] = {"bytes": nbytes, "iters": iters, "results": res, "ok": ok, "split": split}
+    return out
+
+
+def _mlp_step_variants(args, rank, mesh, dmesh):
+    import torch.nn.functional as F
+    from torch.distributed.tensor import DTensor as TDT, Shard, distribute_module
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    import spmd
+    from spmd import UNSHARDED as U, Layout
+    from benchmarks.bench_mlp import Net, make_opt, to_spmd
+    import copy
+    d, h, L, b = QUICK_MLP if args.quick else MLP
+    torch.manual_seed(0)
+    x, y = torch.randn(2 * b, d), torch.randn(2 * b, d)
+    torch.manual_seed(1)
+    base = Net(d, h, L)
+    xl, yl = x[rank * b:(rank + 1) * b], y[rank * b:(rank + 1) * b]
+    variants = {}
+    for opt_name in ("sgd", "adamw"):
+        net = to_spmd(copy.deepcopy(base), mesh, None)
+        data = Layout(["batch", U], mesh)
+        sx, sy = spmd.copy_to_mesh(x, data), spmd.copy_to_mesh(y, data)
+        variants[f"spmd/{opt_name}"] = (net, make_opt(opt_name, net.parameters()), sx, sy)
+        ddp = DDP(copy.deepcopy(base))
+        variants[f"ddp/{opt_name}"] = (ddp, make_opt(opt_name, ddp.parameters()), xl, yl)
+        dt = distribute_module(copy.deepcopy(base), dmesh)  # every parameter Replicate()
+        tx, ty = (TDT.from_local(t, dmesh, [Shard(0)], run_check=False) for t in (xl, yl))
+        variants[f"dt/{opt_name}"] = (dt, make_opt(opt_name, dt.parameters()), tx, ty)
+    losses = {name: [] for name in variants}
+    _mlp_step_variants.last = variants
+
+    def step_fn(name):
+        model, opt, sx, sy = variants[name]
+
+        def step():
+            opt.zero_grad()
+            loss = F.mse_loss(model(sx), sy)
+            loss.backward()
+            opt.step()
+            losses[name].append(loss.detach())
+        return step
+    return {name: step_fn(name) for name in variants}, losses, (d, h, L, b)
+
+
+def _loss_value(loss) -> float:
+    import torch.distributed as dist
+    import spmd
+    if isinstance(loss, spmd.DTensor):
+        return float(loss.item())
+    if hasattr(loss, "full_tensor"):
+        return float(loss.full_tensor())
+    t = loss.clone()
+    dist.all_reduce(t)  # DDP: each client's loss is the mean over its half of the batch
+    return float(t) / 2
+
+
+def _mlp(args, rank, mesh, dmesh) -> dict:
+    steps, losses, config = _mlp_step_variants(args, rank, mesh, dmesh)
+    res = time_cases(steps, args.steps, args.reps, warm=args.warm)
+    for r in res.values():
+        if "median" in r:
+            r["median"] /= 1000  # ms per step
+            r["runs"] = [v / 1000 for v in r["runs"]]
+    # the losses of the first warm-up steps, the same data and initial weights for every variant
+    values = {name: [_loss_value(v) for v in ls[:args.warm]] for name, ls in losses.items()}
+    diffs = {}
+    for name, vals in values.items():
+        ref = values["ddp/" + name.split("/")[1]]
+        diffs[name] = max((abs(a - b) for a, b in zip(vals, ref)), default=0.0)
+    grads = {}
+    for name, (model, *_rest) in _mlp_step_variants.last.items():
+        if name.startswith("dt/"):
+            g = next(iter(model.parameters())).grad
+            grads[name] = str(getattr(g, "placements", None))
+    return {"config": config, "results": res, "losses": values, "max_loss_diff_vs_ddp": diffs,
+            "dt_grad_placements": grads}
+
+
+def worker(args) -> None:
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    import spmd
+    spmd.initialize_accelerator_system("CPU", num_logical_cpu_devices=1)
+    rank = spmd.client_id()
+    data = {"environment": environment(), "quick": args.quick}
+    mesh = spmd.create_distributed_mesh([("x", 2)])
+    dmesh = init_device_mesh("cpu", (2,))
+    if not args.no_relayout:
+        data["relayout"] = _relayouts(args, rank, mesh, dmesh)
+    if not args.no_mlp:
+        data["mlp"] = _mlp(args, rank, spmd.create_distributed_mesh([("batch", 2)], mesh_name="dp"), dmesh)
+    dist.barrier()
+    if rank == 0:
+        with open(args.worker_out, "w") as f:
+            json.dump(data, f, default=str)
+
+
+# -- the launcher and the report -------------------------------------------------------------------------------------
+def _launch(argv: list[str], timeout: float) -> dict:
+    port = free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rank0.json")
+        procs = []
+        for rank in range(2):
+            env = {k: v for k, v in os.environ.items() if not k.startswith(("DTENSOR_", "SPMD_"))}
+            env.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                       MASTER_PORT=str(port), OMP_NUM_THREADS="1", SPMD_COLLECTIVE_TIMEOUT="120",
+                       PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+            procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv, "--worker-out", out],
+                                          env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        deadline = time.monotonic() + timeout
+        logs = []
+        try:
+            for p in procs:
+                try:
+                    logs.append(p.communicate(timeout=max(deadline - time.monotonic(), 1)))
+                except subprocess.TimeoutExpired:
+                    raise RuntimeError(f"bench_multiclient: a client ran past {timeout:g}s") from None
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.communicate()
+        if any(p.returncode for p in procs) or not os.path.exists(out):
+            tail = "\n".join(f"client {r} (rc {p.returncode}):\n{logs[r][1][-3000:] if r < len(logs) else ''}"
+                             for r, p in enumerate(procs))
+            raise RuntimeError(f"bench_multiclient: the clients failed\n{tail}")
+        with open(out) as f:
+            return json.load(f)
+
+
+def _gbps(nbytes: int, us: float | None) -> str:
+    return "–" if not us else f"{nbytes / us / 1e3:.2f}"
+
+
+def report(data: dict) -> str:
+    lines = ["# Multi-client: spmd vs torch.distributed, torch DTensor and DDP (2 processes, gloo)", "",
+             f"{data['environment']}; 2 clients on 127.0.0.1, gloo, 1 thread each. Medians over the repetitions "
+             "(round-robin). `python benchmarks/bench_multiclient.py`" + (" **(--quick: numbers are noise)**"
+                                                                            if data.get("quick") else ""), ""]
+    if "relayout" in data:
+        lines += ["## Relayout on a 1-D mesh of 2 clients × 1 device (fp32 N×N global)", "",
+                  "µs per call; GB/s = global tensor bytes / time. raw = the torch.distributed collective on the "
+                  "same bytes (`all_gather` of the local half; `all_to_all_single` of the local half; `all_reduce` "
+                  "of the full summand for both pending-sum cases, since gloo has no reduce-scatter and spmd "
+                  "all-reduces then slices). torch DT = `DTensor.redistribute` at world size 2. spmd S0→R and S0→S1 "
+                  "are `spmd.relayout`; the pending-sum cases run spmd's relayout engine "
+                  "(`spmd.redistribute.run`) on the stacked components, since a pending sum is not a public "
+                  "layout.", ""]
+        rows = []
+        for n, r in data["relayout"].items():
+            res, nbytes = r["results"], r["bytes"]
+            for k in KINDS:
+                s, raw, dt = (res.get(f"{k}/{v}", {}).get("median") for v in ("spmd", "raw", "dt"))
+                rows.append([f"{n}×{n}", KIND_LABEL[k], fmt(raw), fmt(s), fmt(dt), _gbps(nbytes, raw),
+                             _gbps(nbytes, s), _gbps(nbytes, dt), ratio(s, raw), ratio(s, dt),
+                             "yes" if r["ok"][k] else "**NO**"])
+        lines += [md_table(["N", "relayout", "raw µs", "spmd µs", "torch DT µs", "raw GB/s", "spmd GB/s",
+                            "DT GB/s", "spmd/raw", "spmd/DT", "values agree"], rows), ""]
+        lines += ["Where spmd's time goes (one timed pass, µs per call): the torch.distributed call(s) inside "
+                  "spmd's collective vs the rest (dispatch, local combine of the components, padding/indexing, "
+                  "write-back into the output, the DTensor wrap).", ""]
+        rows = []
+        for n, r in data["relayout"].items():
+            for k in KINDS:
+                sp = r["split"][k]
+                rows.append([f"{n}×{n}", KIND_LABEL[k], fmt(sp["total"]), fmt(sp["dist_call"]),
+                             fmt(sp["total"] - sp["dist_call"])])
+        lines += [md_table(["N", "relayout", "spmd total", "in torch.distributed", "rest"], rows), ""]
+    if "mlp" in data:
+        m = data["mlp"]
+        d, h, L, b = m["config"]
+        lines += [f"## Data-parallel training step (residual MLP D={d} H={h} L={L}, batch {b} per client, fp32)", "",
+                  "ms per step (median). spmd: mesh batch=2 over the 2 clients, every parameter a replicated "
+                  "DVariable, data sharded on batch; DDP: `DistributedDataParallel` on each client's half; torch DT: "
+                  "`distribute_module` (parameters `Replicate()`), data `DTensor.from_local(..., [Shard(0)])`. "
+                  "`foreach=False` optimisers, as bench_mlp.py. Loss diff: max |loss − DDP's loss| over the first "
+                  "steps (same data, same initial weights).", ""]
+        rows = []
+        for opt in ("sgd", "adamw"):
+            get = lambda v: m["results"].get(f"{v}/{opt}", {}).get("median")  # noqa: E731
+            s, ddp, dt = get("spmd"), get("ddp"), get("dt")
+            errs = [f"{v}: {m['results'][f'{v}/{opt}']['error']}" for v in ("spmd", "ddp", "dt")
+                    if "error" in m["results"].get(f"{v}/{opt}", {})]
+            rows.append([opt.upper() if opt == "sgd" else "AdamW", fmt(ddp, 2), fmt(s, 2), fmt(dt, 2), ratio(s, ddp),
+                         ratio(s, dt), f"{m['max_loss_diff_vs_ddp'].get(f'spmd/{opt}', float('nan')):.1e}",
+                         f"{m['max_loss_diff_vs_ddp'].get(f'dt/{opt}', float('nan')):.1e}"] + (
+                             ["; ".join(errs)] if errs else []))
+        lines += [md_table(["optimizer", "DDP ms", "spmd ms", "torch DT ms", "spmd/DDP", "spmd/DT",
+                            "spmd loss diff", "DT loss diff"], rows), ""]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="smoke run: tiny sizes and few iterations")
+    p.add_argument("--sizes", type=int, nargs="+", default=None)
+    p.add_argument("--reps", type=int, default=None)
+    p.add_argument("--steps", type=int, default=None, help="training steps per repetition")
+    p.add_argument("--warm", type=int, default=None, help="warm-up training steps (their losses are compared)")
+    p.add_argument("--no-relayout", action="store_true")
+    p.add_argument("--no-mlp", action="store_true")
+    p.add_argument("--timeout", type=float, default=None, help="hard limit for the 2 clients, seconds")
+    p.add_argument("--out", default=None)
+    p.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.sizes is None:
+        args.sizes = [16] if args.quick else [64, 512, 2048]
+    args.reps = args.reps or (1 if args.quick else 5)
+    args.steps = args.steps or (2 if args.quick else 10)
+    args.warm = args.warm or (2 if args.quick else 5)
+    if args.worker_out:
+        worker(args)
+        return {}
+    passthrough = [a for a in (argv if argv is not None else sys.argv[1:]) if a]
+    data = _launch(passthrough, args.timeout or (60 if args.quick else 580))
+    markdown = report(data)
+    paths = write_results("multiclient", markdown, data, args.out)
+    print(markdown)
+    print("wrote " + ", ".join(paths))
+    return data
+
+
+if __name__ == "__main__":
+    main()
