@@ -9,6 +9,13 @@ or of several). Each collective therefore
   3. writes each group's result back to every local member.
 A group held entirely by this client needs no communication at all.
 
+The direct case skips steps 1 and 3: where client `ranks[i]` holds exactly member i of each group (one device
+per client, as under torchrun, or one member per group of several groups), the components go straight into
+the torch.distributed call: `all_reduce` in place on one copy of them, `all_gather` into one buffer whose
+layout is already the result when the gather axis is the leading one (else one movedim+reshape), and
+`all_to_all_single` on the pieces split along dim 0 (after at most one movedim copy each way). Booleans take
+the general path.
+
 Ownership is TF's `create_distributed_mesh` convention: client `r` holds the `L` consecutive global ids
 `r*L .. (r+1)*L-1` (`L = mesh.num_local_devices()`); global device names `/task:<r>/` are used when given.
 
@@ -43,6 +50,10 @@ class _Batch:
     source: torch.Tensor  # (groups, k): where member i of group g is in a gathered (ranks * slots) axis
     mine: torch.Tensor  # (groups, slots): stack index of this client's member in each slot (-1: padding)
     member_of_slot: torch.Tensor  # (ranks, groups, slots): member index of each client's slot (0: padding)
+    # the direct case: this client holds one member of each group, and client `ranks[i]` holds member i of every
+    # group (e.g. one device per client); then the components go straight into torch.distributed
+    direct: torch.Tensor | None  # (groups,): stack index of this client's member of each group; None otherwise
+    identity: bool  # direct and `direct == arange(L)`: the stacked components are the groups' in order
 
 
 @dataclass(frozen=True)
@@ -120,7 +131,12 @@ def _plan(mesh, dims: tuple[str, ...]) -> _Plan:
                 if owners[p] == rank:
                     mine[g, s] = stack_index[p]
                     local.append((stack_index[p], g, i))
-        batches.append(_Batch(ranks, k, slots, tuple(local), source, mine, member_of_slot))
+        direct = None
+        if len(ranks) > 1 and slots == 1 and len(ranks) == k and bool((mine >= 0).all()) and \
+                bool((source == torch.arange(k)).all()):
+            direct = mine[:, 0].clone()
+        identity = direct is not None and direct.tolist() == list(range(mesh.num_local_devices()))
+        batches.append(_Batch(ranks, k, slots, tuple(local), source, mine, member_of_slot, direct, identity))
     return _Plan(tuple(batches), mesh.num_local_devices())
 
 
@@ -178,6 +194,22 @@ class DistributedCollectives(Collectives):
         source = batch.source.to(x.device)
         return flat[torch.arange(G, device=x.device).unsqueeze(1), source]
 
+    # the direct case (see `_Batch.direct`): no padding, no reordering, no per-member write-back
+    def _direct_in(self, x, batch: _Batch, own: bool = False) -> torch.Tensor:
+        """(groups, *local), contiguous: this client's member of each group (its own memory if `own`)."""
+        if batch.identity:
+            return x.clone(memory_format=torch.contiguous_format) if own else x.contiguous()
+        return x.index_select(0, batch.direct.to(x.device)).contiguous()
+
+    def _direct_out(self, out, x, result, batch: _Batch) -> torch.Tensor:
+        """Puts each group's `result` (groups, *out_local) at its local member's stack index."""
+        if batch.identity:  # the only batch holding this client's devices
+            return result
+        if out is None:
+            out = torch.empty((x.shape[0],) + tuple(result.shape[1:]), dtype=result.dtype, device=result.device)
+        out.index_copy_(0, batch.direct.to(result.device), result)
+        return out
+
     def _scatter_back(self, out, per_member, batch: _Batch):
         """Writes per local member `per_member(group, member)` into `out`."""
         for j, g, i in batch.local:
@@ -191,8 +223,20 @@ class DistributedCollectives(Collectives):
             raise ValueError(f"unknown reduction {op!r}")
         dims = tuple(mesh_dims)
         plan = _plan(mesh, dims)
-        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        out = None
         for batch in plan.batches:
+            if batch.direct is not None and x.dtype != torch.bool:  # reduce in place on a copy of the components
+                buf = self._direct_in(x, batch, own=True)
+                try:
+                    dist.all_reduce(buf, op=getattr(dist.ReduceOp, _OPS[op]), group=_group(batch.ranks))
+                except RuntimeError as e:
+                    self._fail(e, f"all_reduce({op})", mesh, dims, batch)
+                if op == "avg":
+                    buf = buf.div_(batch.k) if buf.is_floating_point() else buf.floor_divide_(batch.k)
+                out = self._direct_out(out, x, buf, batch)
+                continue
+            if out is None:
+                out = torch.empty_like(x, memory_format=torch.contiguous_format)
             mine = self._contributions(x, batch)  # (groups, slots, *local)
             valid = (batch.mine >= 0).to(x.device).view(batch.mine.shape + (1,) * (x.dim() - 1))
             if op in ("sum", "avg"):
@@ -217,12 +261,25 @@ class DistributedCollectives(Collectives):
                 partial = partial / batch.k if partial.is_floating_point() else partial // batch.k
             for j, g, _ in batch.local:
                 out[j] = partial[g]
-        return out
+        return out if out is not None else x.clone(memory_format=torch.contiguous_format)
 
     def all_gather(self, x, mesh, mesh_dim, axis):
         dims = (mesh_dim,)
         out = None
         for batch in _plan(mesh, dims).batches:
+            if batch.direct is not None and x.dtype != torch.bool:
+                # gather into the rank-major buffer (ranks, groups, *local); member i is client i's
+                mine = self._direct_in(x, batch)
+                buf = torch.empty((len(batch.ranks),) + tuple(mine.shape), dtype=x.dtype, device=x.device)
+                try:
+                    dist.all_gather(list(buf.unbind(0)), mine, group=_group(batch.ranks))
+                except RuntimeError as e:
+                    self._fail(e, f"all_gather(axis {axis})", mesh, dims, batch)
+                full = buf.movedim(0, 1 + axis)  # a view; the reshape copies only if the members must interleave
+                shape = list(full.shape)
+                shape[1 + axis: 3 + axis] = [shape[1 + axis] * shape[2 + axis]]
+                out = self._direct_out(out, x, full.reshape(shape).contiguous(), batch)
+                continue
             full = self._gather(x, mesh, dims, batch, f"all_gather(axis {axis})")  # (groups, k, *local)
             full = full.movedim(1, 1 + axis)
             shape = list(full.shape)
@@ -250,6 +307,23 @@ class DistributedCollectives(Collectives):
         k = mesh.dim_size(mesh_dim)
         out = None
         for batch in _plan(mesh, dims).batches:
+            if batch.direct is not None and x.dtype != torch.bool:
+                # send (k, groups, *piece): piece i of each component to client i (= member i), then concatenate
+                # what arrives, in client order, along the gather axis
+                mine = self._direct_in(x, batch)
+                shape = list(mine.shape)
+                shape[1 + shard_axis: 2 + shard_axis] = [k, shape[1 + shard_axis] // k]
+                send = mine.view(shape).movedim(1 + shard_axis, 0).contiguous()  # no copy if shard_axis == 0
+                recv = torch.empty_like(send)
+                try:
+                    dist.all_to_all_single(recv, send, group=_group(batch.ranks))
+                except RuntimeError as e:
+                    self._fail(e, f"all_to_all(axis {gather_axis} -> {shard_axis})", mesh, dims, batch)
+                full = recv.movedim(0, 1 + gather_axis)
+                shape = list(full.shape)
+                shape[1 + gather_axis: 3 + gather_axis] = [shape[1 + gather_axis] * shape[2 + gather_axis]]
+                out = self._direct_out(out, x, full.reshape(shape).contiguous(), batch)
+                continue
             mine = self._contributions(x, batch)  # (groups, slots, *local)
             G, S, R = mine.shape[0], batch.slots, len(batch.ranks)
             # split the shard axis into k pieces: (groups, slots, k, *local with the piece)
