@@ -47,9 +47,10 @@ def docs_example():
 
 def _meshes():
     # (dims, local devices per client): groups fully local, one member per client, two per client, and unequal
-    # (the 3x2 mesh: a group over x holds 2 devices of client 0 and 1 of client 1)
+    # (the 3x2 mesh: a group over x holds 2 devices of client 0 and 1 of client 1); one device per client (the
+    # torchrun case, the backend's direct path)
     return [([("x", 2), ("y", 2)], 2), ([("x", 4)], 2), ([("x", 4), ("y", 2)], 4), ([("x", 3), ("y", 2)], 3),
-            ([("x", 2), ("y", 2), ("z", 2)], 4)]
+            ([("x", 2), ("y", 2), ("z", 2)], 4), ([("x", 2)], 1), ([("x", 2), ("y", 1)], 1)]
 
 
 def collectives():
