@@ -6,13 +6,10 @@ never hang the suite.
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -20,6 +17,7 @@ import torch
 
 import spmd
 from spmd import runtime
+from tests import clients
 
 WORKER = Path(__file__).with_name("multiclient_worker.py")
 HARD_TIMEOUT = 90  # seconds for a whole run (the slowest takes ~10 s)
@@ -27,64 +25,10 @@ HARD_TIMEOUT = 90  # seconds for a whole run (the slowest takes ~10 s)
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _clean_env() -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("DTENSOR_", "SPMD_"))}
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    env["OMP_NUM_THREADS"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(spmd.__file__).parents[1]), env.get("PYTHONPATH")]))
-    return env
-
-
-def launch(scenario: str, n: int = 2, timeout_s: float = 10, env: dict | None = None, dtensor_env: bool = False,
-           wait_for: tuple[int, ...] | None = None) -> list[dict]:
-    """Runs `scenario` of multiclient_worker.py as `n` clients; returns each client's RESULT (None if none).
-
-    `wait_for`: the clients whose exit is awaited (the others are killed once those are done)."""
-    port = _free_port()
-    procs = []
-    for rank in range(n):
-        e = _clean_env()
-        if dtensor_env:  # TF's variables: the rendezvous is client 0's address
-            e.update(DTENSOR_JOBS=",".join(f"127.0.0.1:{port + i if i else port}" for i in range(n)),
-                     DTENSOR_CLIENT_ID=str(rank))
-        else:  # what torchrun sets
-            e.update(RANK=str(rank), WORLD_SIZE=str(n), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                     MASTER_PORT=str(port))
-        e["SPMD_COLLECTIVE_TIMEOUT"] = str(timeout_s)
-        e.update(env or {})
-        cmd = [str(scenario)] if str(scenario).endswith(".py") else [str(WORKER), scenario]
-        procs.append(subprocess.Popen([sys.executable, *cmd], env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True))
-    deadline = time.monotonic() + HARD_TIMEOUT
-    outputs: list = [None] * n
-    try:
-        for rank in (wait_for if wait_for is not None else range(n)):
-            try:
-                outputs[rank] = procs[rank].communicate(timeout=max(deadline - time.monotonic(), 1))
-            except subprocess.TimeoutExpired:
-                pytest.fail(f"client {rank} of {scenario} ran past {HARD_TIMEOUT}s")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.communicate()
-    launch.outputs = outputs
-    results = []
-    for rank, out in enumerate(outputs):
-        if out is None:
-            results.append(None)
-            continue
-        lines = [line for line in out[0].splitlines() if line.startswith("RESULT ")]
-        if wait_for is None and procs[rank].returncode != 0:
-            pytest.fail(f"client {rank} of {scenario} exited with {procs[rank].returncode}:\n{out[1][-3000:]}")
-        results.append(json.loads(lines[-1][len("RESULT "):]) if lines else None)
+def launch(scenario, **kwargs) -> list:
+    """Runs `scenario` of multiclient_worker.py (or a script path) as clients; returns their RESULTs."""
+    argv = [scenario] if str(scenario).endswith(".py") else [WORKER, scenario]
+    results, launch.outputs = clients.launch(argv, hard_timeout=HARD_TIMEOUT, **kwargs)
     return results
 
 
@@ -276,7 +220,7 @@ def test_demo_as_two_clients():
     """`spmd demo --clients 2`: the GPT demo as 2 client processes; only client 0 prints; same loss curve."""
     cmd = [sys.executable, "-m", "spmd.cli", "demo", "--clients", "2", "--steps", "3", "--batch-size", "8",
            "--block-size", "16", "--d-model", "32"]
-    env = dict(_clean_env(), SPMD_COLLECTIVE_TIMEOUT="30")
+    env = dict(clients.clean_env(), SPMD_COLLECTIVE_TIMEOUT="30")
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:

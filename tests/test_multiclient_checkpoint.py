@@ -14,12 +14,7 @@ hang the suite.
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -27,6 +22,7 @@ import torch
 
 import spmd
 from spmd import UNSHARDED as U, Layout
+from tests import clients
 
 WORKER = Path(__file__).with_name("multiclient_checkpoint_worker.py")
 HARD_TIMEOUT = 60  # seconds for a whole run (each takes ~4-8 s)
@@ -37,44 +33,11 @@ sys.path.insert(0, str(WORKER.parent))
 import multiclient_checkpoint_worker as worker  # noqa: E402
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(scenario: str, path: Path, n: int = 2, timeout_s: float = 10, wait_for=None) -> list:
-    """Runs `scenario` of the worker as `n` clients with torchrun's environment; returns each client's RESULT
-    (None for a client without one). `wait_for`: the clients awaited (the others are killed after)."""
-    port = _free_port()
-    procs = []
-    for rank in range(n):
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("DTENSOR_", "SPMD_"))}
-        env.update(RANK=str(rank), WORLD_SIZE=str(n), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), OMP_NUM_THREADS="1", SPMD_COLLECTIVE_TIMEOUT=str(timeout_s),
-                   PYTHONPATH=os.pathsep.join(filter(None, [str(Path(spmd.__file__).parents[1]),
-                                                            os.environ.get("PYTHONPATH")])))
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), scenario, str(path)], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    deadline = time.monotonic() + HARD_TIMEOUT
-    outputs: list = [None] * n
-    try:
-        for rank in (wait_for if wait_for is not None else range(n)):
-            try:
-                outputs[rank] = procs[rank].communicate(timeout=max(deadline - time.monotonic(), 1))
-            except subprocess.TimeoutExpired:
-                pytest.fail(f"client {rank} of {scenario} ran past {HARD_TIMEOUT}s")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.communicate()
-    results = []
-    for rank, out in enumerate(outputs):
-        lines = [line for line in (out[0] if out else "").splitlines() if line.startswith("RESULT ")]
-        results.append(json.loads(lines[-1][7:]) if lines else None)
-        if out and not lines and (wait_for is None or rank in wait_for):
-            pytest.fail(f"client {rank} of {scenario} gave no result:\n{out[1][-3000:]}")
+    """Runs `scenario` of the worker as `n` clients; returns each client's RESULT (None for a client without
+    one). `wait_for`: the clients awaited (the others are killed after)."""
+    results, _ = clients.launch([WORKER, scenario, path], n=n, timeout_s=timeout_s, wait_for=wait_for,
+                                hard_timeout=HARD_TIMEOUT, require_result=True)
     return results
 
 
