@@ -1,7 +1,7 @@
 """Eager SPMD expansion: `__torch_dispatch__` -> cached rule -> relayout inputs -> local kernel -> wrap.
 
 The cache key is (op, and per argument: the layout and global shape of a DTensor, the value of an int, bool,
-str or dtype, the type of a float). A cache hit costs a key build, a dict lookup, the kernel and the wraps.
+str, dtype or float; for pointwise ops only the type of a float, which their kernels read at run time). A cache hit costs a key build, a dict lookup, the kernel and the wraps.
 """
 
 from __future__ import annotations
@@ -40,17 +40,17 @@ def cache_stats() -> dict:
     return dict(_STATS, size=len(_CACHE))
 
 
-def _sig(a, tensors):
+def _sig(a, tensors, blind=False):
     t = type(a)
     if t is float:
-        return float
+        return float if blind else a
     if t is int or t is bool or a is None or t is str:
         return a
     if isinstance(a, DTensor):
         tensors.append(a)
         return a._key
     if t is list or t is tuple:
-        return tuple(_sig(x, tensors) for x in a)
+        return tuple(_sig(x, tensors, blind) for x in a)
     if isinstance(a, torch.Tensor):
         if a.dim() == 0:  # autobroadcast: a 0-d tensor acts as a replicated scalar
             return "scalar", a.dtype
@@ -64,17 +64,20 @@ def dispatch(cls, func, types, args=(), kwargs=None):
     """`DTensor.__torch_dispatch__`: the whole hot path of a cache hit is this function and `_execute`."""
     tensors: list[DTensor] = []
     key = [id(func)]  # OpOverloads live as long as torch: their id is stable and cheaper than their hash
+    blind = _FLOAT_BLIND.get(id(func))
+    if blind is None:
+        blind = _float_blind(func)
     try:
         for a in args:  # the common argument kinds inline; the rest through _sig
             if isinstance(a, DTensor):
                 tensors.append(a)
                 key.append(a._key)
             elif type(a) is float:
-                key.append(float)
+                key.append(float if blind else a)
             else:
-                key.append(_sig(a, tensors))
+                key.append(_sig(a, tensors, blind))
         if kwargs:
-            key.append(tuple([(k, _sig(v, tensors)) for k, v in kwargs.items()]))
+            key.append(tuple([(k, _sig(v, tensors, blind)) for k, v in kwargs.items()]))
     except MixedTensorError:
         if foreach.is_foreach(func):  # e.g. per-parameter scalars given as one plain tensor
             return foreach.run(func, args, kwargs or {})
@@ -89,6 +92,17 @@ def dispatch(cls, func, types, args=(), kwargs=None):
 
 
 DTensor.__torch_dispatch__ = classmethod(dispatch)
+
+# id(op) -> whether its plan ignores the values of float arguments. Pointwise ops read them at run time, so
+# e.g. Adam's step size, which changes every step, does not miss the cache; every other op keys on the value,
+# because its rule may decide on it (dropout's p, a norm's order).
+_FLOAT_BLIND: dict = {}
+
+
+def _float_blind(func) -> bool:
+    from spmd.rules.pointwise import like_rule, pointwise_rule
+    blind = _FLOAT_BLIND[id(func)] = foreach.is_foreach(func) or lookup(func) in (pointwise_rule, like_rule)
+    return blind
 
 
 def _miss(key, func, args, kwargs, tensors) -> "_Plan":

@@ -1,0 +1,34 @@
+"""The sharding-decision cache: float arguments a rule decides on are part of the key; pointwise ops' are not."""
+
+import pytest
+import torch
+
+import spmd
+from spmd import UNSHARDED, Layout
+
+MESH = spmd.create_mesh([("x", 2)])
+
+
+def test_rules_that_read_a_float_see_each_value():
+    x = torch.randn(8, 4, dtype=torch.float64)
+    d = spmd.copy_to_mesh(x, Layout(["x", UNSHARDED], MESH))
+    for order in (1.0, 2.0, float("inf"), 2.0, 1.0):  # the same call shape with another order: a different plan
+        assert float(torch.linalg.vector_norm(d, ord=order)) == pytest.approx(float(torch.linalg.vector_norm(
+            x, ord=order)), rel=1e-12)
+
+
+@pytest.mark.parametrize("p", [0.0, 0.5, 1.0])
+def test_native_dropout_uses_each_probability(p):
+    d = spmd.copy_to_mesh(torch.ones(64, 8), Layout(["x", UNSHARDED], MESH))
+    out, mask = torch.ops.aten.native_dropout(d, p, True)
+    kept = spmd.to_global(mask).float().mean().item()
+    assert kept == pytest.approx(1 - p, abs=0.15)
+
+
+def test_pointwise_float_arguments_do_not_grow_the_cache():
+    d = spmd.copy_to_mesh(torch.zeros(8, 4), Layout(["x", UNSHARDED], MESH))
+    d.add_(d, alpha=0.5)
+    size = spmd.cache_stats()["size"]
+    for step in range(1, 50):  # an optimizer's changing step size
+        d.add_(d, alpha=1.0 / step)
+    assert spmd.cache_stats()["size"] == size
