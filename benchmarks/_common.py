@@ -102,6 +102,7 @@ def environment() -> str:
 
 
 def write_results(stem: str, markdown: str, data: dict, out_dir: str | None = None) -> list[str]:
+    """Writes `<stem>.md` and `<stem>.json` into `out_dir` (default results/), prints the table and the paths."""
     out_dir = out_dir or RESULTS
     os.makedirs(out_dir, exist_ok=True)
     md_path = os.path.join(out_dir, stem + ".md")
@@ -110,4 +111,6 @@ def write_results(stem: str, markdown: str, data: dict, out_dir: str | None = No
         f.write(markdown.rstrip() + "\n")
     with open(js_path, "w") as f:
         json.dump(data, f, indent=1, default=str)
+    print(markdown)
+    print(f"wrote {md_path}, {js_path}")
     return [md_path, js_path]

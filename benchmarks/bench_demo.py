@@ -581,11 +581,8 @@ def main(argv=None) -> dict:
     elapsed = time.time() - t0
     md = report(out, steps, reps, warm, a.quick, elapsed)
     data = {"env": environment(), "steps": steps, "reps": reps, "warm": warm, "quick": a.quick, **out}
-    paths = write_results("demo", md, data, a.out)
-    print(md)
-    print("wrote " + ", ".join(paths))
+    write_results("demo", md, data, a.out)
     return data
-
 
 
 if __name__ == "__main__":

@@ -293,9 +293,7 @@ def _main(a) -> dict:
             "threads": a.threads, "cores": cores, "shape": shape, "steps": steps, "reps": reps, "warm": warm, "quick": a.quick,
             "results": {f"{fw}/{c}": r for (fw, c), r in res.items()}, "jax_collectives": collectives, "spmd_collectives": spmd_coll,
             "errors": errors}
-    paths = write_results("jax_mlp", md, data, a.out)
-    print(md)
-    print("wrote " + ", ".join(paths))
+    write_results("jax_mlp", md, data, a.out)
     return data
 
 

@@ -259,11 +259,8 @@ def main(argv=None) -> dict:
         md += "\n## Failures\n\n" + "\n".join(errors) + "\n"
     data = {"env": environment(), "steps": steps, "reps": reps, "warm": warm, "quick": a.quick,
             "results": {",".join(map(str, c)): v for c, v in results.items()}, "errors": errors}
-    paths = write_results("mlp", md, data, a.out)
-    print(md)
-    print("wrote " + ", ".join(paths))
+    write_results("mlp", md, data, a.out)
     return data
-
 
 
 if __name__ == "__main__":

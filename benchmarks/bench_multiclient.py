@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -347,9 +346,7 @@ def main(argv=None) -> dict:
     passthrough = [a for a in (argv if argv is not None else sys.argv[1:]) if a]
     data = _launch(passthrough, args.timeout or (60 if args.quick else 580))
     markdown = report(data)
-    paths = write_results("multiclient", markdown, data, args.out)
-    print(markdown)
-    print("wrote " + ", ".join(paths))
+    write_results("multiclient", markdown, data, args.out)
     return data
 
 

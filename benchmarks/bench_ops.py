@@ -410,11 +410,8 @@ def main(argv=None) -> dict:
     data = {"env": environment(), "n": n, "iters": iters, "reps": reps, "shapes": shapes, "quick": a.quick,
             "ops": dict(ops), "relayout": dict(rel), "cache": cache, "breakdown": bd, "profile": prof,
             "cache_stats": cstats, "errors": errors}
-    paths = write_results("ops", md, data, a.out)
-    print(md)
-    print("wrote " + ", ".join(paths))
+    write_results("ops", md, data, a.out)
     return data
-
 
 
 if __name__ == "__main__":
