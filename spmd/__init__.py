@@ -29,7 +29,7 @@ __all__ = [
     "Mesh", "MeshDimension", "Layout", "UNSHARDED", "MATCH", "create_mesh", "DTensor", "DVariable",
     "pack", "unpack", "fetch_layout", "check_layout", "is_dtensor", "relayout", "relayout_like", "copy_to_mesh",
     "to_global", "call_with_layout", "default_mesh", "get_default_mesh", "zeros", "ones", "empty", "fill", "full",
-    "zeros_like", "ones_like", "random", "cache_stats", "LayoutError", "IndivisibleError", "MeshMismatchError",
+    "zeros_like", "ones_like", "random", "checkpoint", "cache_stats", "LayoutError", "IndivisibleError", "MeshMismatchError",
     "MixedTensorError", "UnsupportedOpError", "DTensorDataset", "create_dtensor_iterable",
     "LayoutMap", "distribute_module", "Strategy", "visualize",
     "runtime", "initialize_accelerator_system", "shutdown_accelerator_system", "client_id", "num_clients",

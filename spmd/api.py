@@ -58,11 +58,10 @@ class Unpack(torch.autograd.Function):
 
 
 def _first_replicas(layout: Layout) -> list[bool]:
-    """Per local device: whether it holds the first copy of its shard (coordinate 0 on every replicated dim)."""
+    """Per local device: whether it holds the first copy of its shard."""
     mesh = layout.mesh
-    replicated = [mesh.axis_index(d) for d in mesh.dim_names if d not in layout.axes]
     base = mesh.min_global_device_id()
-    return [all(mesh.device_location(i - base)[a] == 0 for a in replicated) for i in mesh.local_device_ids()]
+    return [layout.is_first_replica(mesh.device_location(i - base)) for i in mesh.local_device_ids()]
 
 
 class _Relayout(torch.autograd.Function):

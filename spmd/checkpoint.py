@@ -72,7 +72,6 @@ def local_blocks(layout: Layout, shape) -> list[Block]:
 def _local_blocks(layout: Layout, shape: tuple[int, ...]) -> tuple[Block, ...]:
     mesh = layout.mesh
     local_shape = layout.local_shape_from_global_shape(tuple(shape))
-    replicated = [mesh.axis_index(d) for d in mesh.dim_names if d not in layout.axes]
     base = mesh.min_global_device_id()
     found: dict[tuple[int, ...], list] = {}  # offsets -> [first-replica position or None, other positions]
     for position, device in enumerate(mesh.local_device_ids()):
@@ -80,7 +79,7 @@ def _local_blocks(layout: Layout, shape: tuple[int, ...]) -> tuple[Block, ...]:
         index = [0 if axis is None else location[mesh.axis_index(axis)] for axis in layout.axes]
         offsets = tuple(i * s for i, s in zip(index, local_shape))
         entry = found.setdefault(offsets, [None, []])
-        if entry[0] is None and all(location[a] == 0 for a in replicated):
+        if entry[0] is None and layout.is_first_replica(location):
             entry[0] = position
         else:
             entry[1].append(position)

@@ -150,6 +150,11 @@ class Layout:
             out.append(tuple(0 if s == UNSHARDED else loc[mesh.axis_index(s)] for s in self._specs))
         return out
 
+    def is_first_replica(self, location) -> bool:
+        """Whether the device at mesh coordinates `location` holds the first copy of its shard (coordinate 0 on
+        every mesh dimension this layout does not shard): the copy that is read, written and checkpointed."""
+        return all(c == 0 for name, c in zip(self._mesh.dim_names, location) if name not in self.axes)
+
     def offset_tuple_to_global_index(self, offset_tuple: Sequence[int]) -> int:
         index = 0
         for offset, shards in zip(offset_tuple, self.num_shards_per_axis()):

@@ -27,7 +27,6 @@ whole world uses the default group. Failures and timeouts become `spmd.Collectiv
 from __future__ import annotations
 
 import functools
-import itertools
 from dataclasses import dataclass
 
 import torch

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from spmd.rules import register
-from spmd.rules.common import Decision, OpCall, unsupported
+from spmd.rules.common import Decision, OpCall, shard_starts, unsupported
 from spmd.rules.reduction import arg
 
 aten = torch.ops.aten
@@ -77,22 +77,18 @@ def embedding_rule(call: OpCall) -> Decision:
     idx_axes = tuple(None if m in (vocab_dim, emb_dim) else m for m in idx.axes)
     rows = table.shape[0] // call.shards(vocab_dim)
     mesh, n_local = call.mesh, call.num_local
-    offsets = None
-    if vocab_dim is not None:  # first row held by each local device, shaped to broadcast over the indices
-        loc = [mesh.device_location(i - mesh.min_global_device_id()) for i in mesh.local_device_ids()]
-        first = [c[mesh.axis_index(vocab_dim)] * rows for c in loc]
-        offsets = torch.tensor(first).view((n_local,) + (1,) * idx.rank)
-    stack_base = torch.arange(n_local).view((n_local,) + (1,) * idx.rank) * rows
+    # first row held by each local device, shaped to broadcast over the indices
+    offsets = None if vocab_dim is None else shard_starts(call, vocab_dim, rows, idx.rank)
+    stack_base = torch.arange(n_local, device=mesh.torch_device).view((n_local,) + (1,) * idx.rank) * rows
 
     def kernel(l, a, k):
         weight, ids = l
         flat = weight.reshape(n_local * rows, weight.shape[-1])
         if offsets is None:
-            return torch.nn.functional.embedding(ids + stack_base.to(ids.device), flat).view(
-                ids.shape + (weight.shape[-1],))
-        local = ids - offsets.to(ids.device)
+            return torch.nn.functional.embedding(ids + stack_base, flat).view(ids.shape + (weight.shape[-1],))
+        local = ids - offsets
         outside = (local < 0) | (local >= rows)
-        out = torch.nn.functional.embedding(local.clamp(0, rows - 1) + stack_base.to(ids.device), flat)
+        out = torch.nn.functional.embedding(local.clamp(0, rows - 1) + stack_base, flat)
         return out.masked_fill_(outside.unsqueeze(-1), 0)
     reduce = ((vocab_dim,),) if vocab_dim is not None else ()
     return Decision(((vocab_dim, emb_dim), idx_axes), (idx_axes + (emb_dim,),), kernel, reduce=reduce)
