@@ -12,6 +12,7 @@ from spmd.collectives import backend_for
 from spmd.dtensor import DTensor, make
 from spmd.errors import LayoutError
 from spmd.layout import MATCH, UNSHARDED, Layout
+from spmd.ops import relayout_op
 
 
 class Pack(torch.autograd.Function):
@@ -183,6 +184,8 @@ def relayout(tensor: DTensor, layout: Layout, name: str | None = None) -> DTenso
         return _CrossMesh.apply(tensor, layout)
     if layout == tensor._layout:
         return tensor
+    if torch.compiler.is_compiling():  # recorded in the traced graph as an op (spmd.ops)
+        return relayout_op(tensor, layout.to_string())
     return _Relayout.apply(tensor, layout)
 
 

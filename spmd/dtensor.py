@@ -14,6 +14,7 @@ import torch
 from spmd.errors import LayoutError
 from spmd.layout import Layout
 from spmd.mesh import short_device_name
+from spmd.tracing import prepare_dynamo
 
 
 class DTensor(torch.Tensor):
@@ -40,6 +41,29 @@ class DTensor(torch.Tensor):
         return out
 
     # `__torch_dispatch__` is installed by spmd.dispatch (kept there to avoid an import cycle).
+
+    # -- torch.compile: a traceable wrapper subclass --------------------------------------------------------------
+    # Dynamo and AOTAutograd see the stacked components as the one inner tensor and the layout as static
+    # metadata (guarded on), so a compiled graph holds plain kernels over `_local` and the collectives.
+    def __tensor_flatten__(self):
+        prepare_dynamo()
+        return ["_local"], self._layout
+
+    @classmethod
+    def __tensor_unflatten__(cls, inner, layout, outer_size, outer_stride):
+        return DTensor.__new__(cls, inner["_local"], layout, tuple(outer_size))
+
+    def __coerce_same_metadata_as_tangent__(self, expected_layout, expected_type=None):
+        """A gradient arriving at a compiled backward with another layout than the one traced is relayouted."""
+        if expected_type is not None and not issubclass(expected_type, DTensor):
+            return None
+        if expected_layout == self._layout:
+            return self
+        from spmd.api import relayout
+        return relayout(self, expected_layout)
+
+    def _stable_hash_for_caching(self) -> str:
+        return self._layout.to_string()
 
     # -- what a user sees ----------------------------------------------------------------------------------------
     def __repr__(self, *, tensor_contents=None) -> str:

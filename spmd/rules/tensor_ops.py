@@ -1,11 +1,14 @@
-"""Ops that return Python values rather than tensors: `item()`, `torch.equal`, `is_same_size`."""
+"""Ops that return Python values rather than tensors (`item()`, `torch.equal`, `is_same_size`), and spmd's own
+`relayout` op."""
 
 from __future__ import annotations
 
 import torch
 
+from spmd import redistribute
+from spmd.ops import parse_layout
 from spmd.rules import register
-from spmd.rules.common import Decision, OpCall
+from spmd.rules.common import Decision, OpCall, unsupported
 
 aten = torch.ops.aten
 
@@ -37,3 +40,17 @@ def is_pinned_rule(call: OpCall) -> Decision:
     # memory metadata of the components (they share one torch device and allocator)
     spec = call.specs[0]
     return Decision((spec.axes,), (None,), lambda l, a, k: l[0].is_pinned())
+
+
+@register(torch.ops.spmd.relayout.default)
+def relayout_rule(call: OpCall) -> Decision:
+    """`spmd::relayout`: the input is relayouted to the target layout by the dispatcher's planner; the kernel
+    only copies when the planner had nothing to move (collectives already return fresh memory)."""
+    spec = call.specs[0]
+    layout = parse_layout(call.args[1])
+    if layout.mesh != call.mesh:
+        raise unsupported(call, f"the target layout is on another mesh ({layout.mesh!r}); move a tensor between "
+                                "meshes outside the compiled function")
+    target = layout.axes
+    moved = redistribute.plan_on(call.mesh, spec.axes, target)
+    return Decision((target,), (target,), (lambda l, a, k: l[0]) if moved else (lambda l, a, k: l[0].clone()))

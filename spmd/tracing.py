@@ -1,0 +1,72 @@
+"""What `torch.compile` needs to know about spmd, set up the first time Dynamo meets a DTensor.
+
+- Layouts and meshes are immutable values: Dynamo may read them as constants (when a layout is made inside a
+  compiled function, or read from an intermediate DTensor).
+- spmd's own Python (the dispatcher, rules, planner, collectives) runs at trace time inside AOTAutograd, never as
+  a Dynamo frame of its own: where a user's function has a graph break, Dynamo would otherwise try to compile
+  `__torch_dispatch__` called from the eager part.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+_READY = False
+
+
+def prepare_dynamo() -> None:
+    global _READY
+    if _READY:
+        return
+    _READY = True
+    _register_constant_types()
+    _skip_spmd_frames()
+
+
+def _register_constant_types() -> None:
+    from spmd.layout import Layout
+    from spmd.mesh import Mesh
+    try:  # a private table of torch; without it a layout read inside a compiled function is a graph break
+        from torch._dynamo.variables.builder import SourcelessBuilder
+        from torch._dynamo.variables.user_defined import UserDefinedObjectVariable
+        for cls in (Layout, Mesh):
+            SourcelessBuilder._type_handlers[cls] = lambda tx, value: UserDefinedObjectVariable(value)
+    except (ImportError, AttributeError):
+        pass
+
+
+def _skip_spmd_frames() -> None:
+    try:
+        from torch._dynamo.eval_frame import set_code_exec_strategy
+        from torch._dynamo.types import FrameAction, FrameExecStrategy
+    except ImportError:
+        return
+    skip = FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP)  # the frame and every frame it calls
+    seen: set = set()
+    for name, module in list(sys.modules.items()):
+        if not name.startswith(_RUNTIME):
+            continue
+        for value in vars(module).values():
+            if getattr(value, "__module__", None) != name:
+                continue
+            for member in (vars(value).values() if isinstance(value, type) else (value,)):
+                code = getattr(getattr(member, "__func__", member), "__code__", None)
+                if code is not None:
+                    _skip_code_tree(code, lambda c: set_code_exec_strategy(c, skip), seen)
+
+
+# the modules that run inside `__torch_dispatch__` (the user-facing API, e.g. relayout, is inlined by Dynamo)
+_RUNTIME = ("spmd.dispatch", "spmd.redistribute", "spmd.collectives", "spmd.rules", "spmd.foreach", "spmd.dtensor",
+            "spmd.api", "spmd.ops")
+
+
+def _skip_code_tree(code: types.CodeType, skip, seen: set) -> None:
+    stack = [code]
+    while stack:
+        c = stack.pop()
+        if c in seen:
+            continue
+        seen.add(c)
+        skip(c)
+        stack.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
