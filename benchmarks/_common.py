@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
 
 
 def free_port() -> int:
@@ -101,8 +102,10 @@ def environment() -> str:
             f"{os.cpu_count()} cores, torch threads {torch.get_num_threads()}")
 
 
-def write_results(stem: str, markdown: str, data: dict, out_dir: str | None = None) -> list[str]:
-    """Writes `<stem>.md` and `<stem>.json` into `out_dir` (default results/), prints the table and the paths."""
+def write_results(stem: str, markdown: str, data: dict, out_dir: str | None = None,
+                  readme: Callable[[dict], str] | None = None) -> list[str]:
+    """Writes `<stem>.md` and `<stem>.json` into `out_dir` (default results/), prints the table and the paths.
+    With `readme`, also README.md's `stem` section (see update_readme) — not for a --quick run or another out_dir."""
     out_dir = out_dir or RESULTS
     os.makedirs(out_dir, exist_ok=True)
     md_path = os.path.join(out_dir, stem + ".md")
@@ -113,4 +116,29 @@ def write_results(stem: str, markdown: str, data: dict, out_dir: str | None = No
         json.dump(data, f, indent=1, default=str)
     print(markdown)
     print(f"wrote {md_path}, {js_path}")
+    if readme is not None and not data.get("quick") and os.path.abspath(out_dir) == RESULTS:
+        update_readme(stem, readme)
     return [md_path, js_path]
+
+
+def update_readme(stem: str, readme: Callable[[dict], str], out_dir: str | None = None) -> dict:
+    """README.md's `stem` section := readme(<out_dir>/<stem>.json): the stored numbers, nothing is rerun."""
+    with open(os.path.join(out_dir or RESULTS, stem + ".json")) as f:
+        data = json.load(f)
+    if data.get("quick"):
+        raise ValueError(f"{stem}.json holds a --quick run (noise); rerun the benchmark before updating README.md")
+    write_readme_section(stem, readme(data))
+    return data
+
+
+def write_readme_section(name: str, markdown: str, path: str = README) -> None:
+    """Replaces the text between `<!-- bench:NAME -->` and `<!-- /bench:NAME -->` in `path`, nothing else."""
+    start, end = f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->"
+    with open(path) as f:
+        text = f.read()
+    i, j = text.find(start), text.find(end)
+    if text.count(start) != 1 or text.count(end) != 1 or j < i:
+        raise ValueError(f"{path} needs one pair of markers {start} ... {end} (in this order) for this table")
+    with open(path, "w") as f:
+        f.write(text[:i + len(start)] + "\n\n" + markdown.strip() + "\n\n" + text[j:])
+    print(f"wrote the {name} section of {path}")

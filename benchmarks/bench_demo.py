@@ -2,6 +2,7 @@
 layouts) vs torch DTensor tensor parallel at world size 1, in one process; memory per device and collectives.
 
 usage: python benchmarks/bench_demo.py [--quick] [--steps N] [--reps R] [--warm W] [--no-dt] [--no-rss] [--out DIR]
+       python benchmarks/bench_demo.py --readme-only   # README.md's table from results/demo.json, runs nothing
 
 The model, data, layouts and optimiser are those of `spmd demo` (spmd/demo/train.py); see benchmarks/README.md.
 """
@@ -34,6 +35,7 @@ from benchmarks._common import (
     md_table,
     ratio,
     torch_dist_ws1,
+    update_readme,
     write_results,
 )
 from spmd.demo.model import GPT, GPTConfig, megatron_layouts
@@ -441,11 +443,27 @@ def kib(b) -> str:
     return "–" if b is None else f"{b / 1024:,.1f}"
 
 
-def report(out: dict, steps, reps, warm, quick, elapsed) -> str:
-    V = out["variants"]
+def caption(data: dict) -> str:
+    cfg = data["config"]
+    return (f"{data['env']}. GPT {cfg['n_layer']} layers, d_model {cfg['d_model']}, {cfg['n_head']} heads, vocabulary "
+            f"{cfg['vocab_size']}, {cfg['parameters']:,} parameters; batch {cfg['batch_size']} × {cfg['block_size']} "
+            f"tokens; attention {cfg.get('attention', '?')}; AdamW lr {cfg['lr']} (torch defaults, as the demo). "
+            f"Medians of {data['reps']} repetitions × {data['steps']} steps after {data['warm']} warm-up steps, "
+            "variants timed round-robin on the same batches.")
+
+
+def readme_table(data: dict) -> str:
+    """README.md's table from demo.json: ms per step of every variant, against plain torch and torch DT."""
+    m = {n: data["variants"][n]["median_ms"] for n in VARIANTS if "median_ms" in data["variants"].get(n, {})}
+    rows = [[LABELS[n], fmt(t), ratio(t, m.get("plain")), ratio(t, m.get("dt"))] for n, t in m.items()]
+    hdr = ["demo GPT training step", "ms/step", "× plain torch", "× torch DT"]
+    return caption(data) + "\n\n" + md_table(hdr, rows)
+
+
+def report(data: dict, elapsed) -> str:
+    V = data["variants"]
     names = [n for n in VARIANTS if n in V and "median_ms" in V[n]]
     m = {n: V[n]["median_ms"] for n in names}
-    cfg = out["config"]
     hdr = ["variant", "ms/step (median)", "× plain", "× torch DT", "forward", "backward", "optimizer",
            "loss.item", "aten ops/step", "max rel. Δloss vs plain"]
     rows = []
@@ -467,11 +485,8 @@ def report(out: dict, steps, reps, warm, quick, elapsed) -> str:
                          fmt((r["peak_kib"] - r["before_steps_kib"]) / 1024, 0) if r.get("before_steps_kib") else "–"])
     lines = [
         "# `spmd demo` GPT training step", "",
-        f"{environment()}. GPT {cfg['n_layer']} layers, d_model {cfg['d_model']}, {cfg['n_head']} heads, vocabulary "
-        f"{cfg['vocab_size']}, {cfg['parameters']:,} parameters; batch {cfg['batch_size']} × {cfg['block_size']} "
-        f"tokens; attention {cfg.get('attention', '?')}; AdamW lr {cfg['lr']} (torch defaults, as the demo). Medians of {reps} repetitions × {steps} "
-        f"steps after {warm} warm-up steps, variants timed round-robin on the same batches. Run time "
-        f"{elapsed:.0f} s" + (" — QUICK smoke run, numbers are noise." if quick else "."), "",
+        f"{caption(data)} Run time {elapsed:.0f} s"
+        + (" — QUICK smoke run, numbers are noise." if data["quick"] else "."), "",
         "A step is what `spmd demo` does per step: forward (spmd: inputs `copy_to_mesh`'d onto the data layout), "
         "backward, `opt.step()`, `opt.zero_grad()`, `loss.item()`. Phase columns are medians of the per-step "
         "phase times (ms). torch DT: `parallelize_module` with ColwiseParallel q/k/v/fc and RowwiseParallel "
@@ -486,10 +501,9 @@ def report(out: dict, steps, reps, warm, quick, elapsed) -> str:
         "`exp_avg_sq`): bytes of one device's component (spmd), local shard (torch DT) or tensor (plain). "
         "Activations: tensors autograd saves for backward in one forward, deduplicated by storage, parameters "
         "excluded — what is alive at the end of the forward besides the model state. Peak RSS: a fresh "
-        f"subprocess per variant that builds the model and trains {warm + 2} steps (VmHWM of /proc/self/status); "
-        "it is "
-        "the whole process (Python, torch, the corpus), and for spmd 8-dev all 8 virtual devices together; "
-        "growth = peak − RSS after building the model, before the first step.", "",
+        f"subprocess per variant that builds the model and trains {data['warm'] + 2} steps (VmHWM of "
+        "/proc/self/status); it is the whole process (Python, torch, the corpus), and for spmd 8-dev all 8 "
+        "virtual devices together; growth = peak − RSS after building the model, before the first step.", "",
         md_table(mem_hdr, mem_rows), ""]
     if "spmd8" in V and "collectives" in V["spmd8"]:
         cols = V["spmd8"]["collectives"]
@@ -540,7 +554,7 @@ def report(out: dict, steps, reps, warm, quick, elapsed) -> str:
     if "plain" in V:
         top = list(V["plain"]["aten_op_counts"].items())[:12]
         lines += ["", "aten ops per plain step, most frequent: " + ", ".join(f"{k} {n}" for k, n in top) + "."]
-    errs = dict(out["errors"])
+    errs = dict(data["errors"])
     for n, r in V.items():
         if "error" in r.get("rss", {}):
             errs[n + " (rss)"] = r["rss"]["error"]
@@ -562,9 +576,12 @@ def main(argv=None) -> dict:
     p.add_argument("--no-dt", action="store_true", help="skip torch.distributed.tensor")
     p.add_argument("--no-rss", action="store_true", help="skip the peak-RSS subprocesses")
     p.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
+    p.add_argument("--readme-only", action="store_true", help="README.md's table from results/demo.json; no run")
     p.add_argument("--_rss", default=None, help=argparse.SUPPRESS)
     p.add_argument("--_shape", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    if a.readme_only:
+        return update_readme("demo", readme_table, a.out)
     if a._rss:
         _rss_main(a._rss, json.loads(a._shape), a.steps)
         return {}
@@ -579,9 +596,8 @@ def main(argv=None) -> dict:
     with torch_dist_ws1() if "dt" in variants else contextlib.nullcontext():
         out = run(shape, steps, reps, warm, variants, rss=not a.no_rss)
     elapsed = time.time() - t0
-    md = report(out, steps, reps, warm, a.quick, elapsed)
     data = {"env": environment(), "steps": steps, "reps": reps, "warm": warm, "quick": a.quick, **out}
-    write_results("demo", md, data, a.out)
+    write_results("demo", report(data, elapsed), data, a.out, readme=readme_table)
     return data
 
 

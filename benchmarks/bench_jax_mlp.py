@@ -3,6 +3,7 @@ torch, in one process: 1 device; data parallel on 8 virtual devices; batch=4 x m
 
 usage: python benchmarks/bench_jax_mlp.py [--quick] [--steps N] [--reps R] [--warm W] [--threads T] [--no-jax]
                                           [--out DIR]
+       python benchmarks/bench_jax_mlp.py --readme-only   # README.md's table from results/jax_mlp.json, runs nothing
 
 The model follows /work/shared/peer-bench/jax_mlp_bench.py; see benchmarks/README.md. JAX is a peer, not a
 dependency of spmd: without it (`pip install jax`) the JAX columns are skipped with a message.
@@ -55,7 +56,7 @@ import numpy as np
 import torch
 
 import spmd
-from benchmarks._common import environment, fmt, md_table, ratio, write_results
+from benchmarks._common import environment, fmt, md_table, ratio, update_readme, write_results
 from spmd import UNSHARDED as U
 from spmd import Layout
 
@@ -173,6 +174,24 @@ def _collectives(compiled) -> list[str]:
 
 
 # -- the benchmark -----------------------------------------------------------------------------------------------
+def caption(data: dict) -> str:
+    jax = f"JAX {data['jax']} ({NDEV} virtual CPU devices)" if data["jax"] else f"JAX: {data['jax_skipped']}"
+    return (f"{data['env']}; {jax}; process on core(s) {data['cores']}. Medians of {data['reps']} repetitions × "
+            f"{data['steps']} steps after {data['warm']} warm-up steps; all {len(data['results'])} runs timed "
+            "round-robin in one process.")
+
+
+def readme_table(data: dict) -> str:
+    """README.md's table from jax_mlp.json: ms/step of plain torch, spmd and JAX per configuration."""
+    m = lambda k: data["results"].get(k, {}).get("median_ms")  # noqa: E731
+    rows = [[LABELS[c], fmt(m("torch/1dev")), fmt(m(f"spmd/{c}")), fmt(m(f"jax/{c}")),
+             ratio(m(f"spmd/{c}"), m(f"jax/{c}"))] for c in CONFIGS]
+    s = data["shape"]
+    hdr = [f"2-layer MLP, batch {s['B']}, {s['D']} → {s['H']} → {s['D']}, ms/step", "plain torch (1 device)",
+           "spmd", "JAX", "spmd / JAX"]
+    return caption(data) + "\n\n" + md_table(hdr, rows)
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="a tiny MLP and few steps: a smoke run")
@@ -184,7 +203,10 @@ def main(argv=None) -> dict:
                    help="pin the process to this many cores before JAX starts (0: no pinning; default 1)")
     p.add_argument("--no-jax", action="store_true", help="skip JAX even if it is installed")
     p.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
+    p.add_argument("--readme-only", action="store_true", help="README.md's table from results/jax_mlp.json; no run")
     a = p.parse_args(argv)
+    if a.readme_only:
+        return update_readme("jax_mlp", readme_table, a.out)
     saved_affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     try:
         if a.cpus and saved_affinity is not None:
@@ -258,8 +280,11 @@ def _main(a) -> dict:
                      fmt(m("spmd", c, "median_cpu_ms"), 1), fmt(m("jax", c, "median_cpu_ms"), 1),
                      f"{res[('spmd', c)]['max_rel_loss_diff']:.1e}",
                      f"{res[('jax', c)]['max_rel_loss_diff']:.1e}" if ("jax", c) in res else "–"])
-    jax_line = (f"JAX {jax.__version__} ({len(jax.devices())} virtual CPU devices, XLA_FLAGS="
-                f"`{os.environ.get('XLA_FLAGS', '')}`)" if jax is not None else f"JAX: {why}")
+    data = {"env": environment(), "jax": jax.__version__ if jax is not None else None, "jax_skipped": why,
+            "threads": a.threads, "cores": cores, "shape": shape, "steps": steps, "reps": reps, "warm": warm,
+            "quick": a.quick, "results": {f"{fw}/{c}": r for (fw, c), r in res.items()},
+            "jax_collectives": collectives, "spmd_collectives": spmd_coll, "errors": errors}
+    xla_flags = f" XLA_FLAGS=`{os.environ.get('XLA_FLAGS', '')}`." if jax is not None else ""
     threads_note = (
         f"Threads: torch.set_num_threads({a.threads}); process pinned to core(s) {cores} of "
         f"{os.cpu_count()} (`--cpus {a.cpus}`, `os.sched_setaffinity` before JAX starts, so XLA's threads are "
@@ -270,8 +295,7 @@ def _main(a) -> dict:
            "XLA uses its default thread pools (as the peer script)."))
     md = "\n".join([
         "# JAX 2-layer MLP training step (ms/step)", "",
-        f"{environment()}; {jax_line}. Medians of {reps} repetitions × {steps} steps after {warm} warm-up "
-        f"steps; all {len(runners)} runs timed round-robin in one process. Run time {elapsed:.0f} s"
+        f"{caption(data)}{xla_flags} Run time {elapsed:.0f} s"
         + (" — QUICK smoke run, numbers are noise." if a.quick else "."), "",
         f"Model (peer script `jax_mlp_bench.py`): `relu(x @ w1 + b1) @ w2 + b2`, batch {shape['B']}, "
         f"{shape['D']} → {shape['H']} → {shape['D']}, mean-squared error, `value_and_grad` then p ← p − {LR}·g. "
@@ -289,11 +313,7 @@ def _main(a) -> dict:
         + ("; ".join(f"{LABELS[c]}: {collectives.get(c) or 'none'}" for c in CONFIGS) if collectives else "–"), ""])
     if errors:
         md += "\n## Failures\n\n" + "\n".join(errors) + "\n"
-    data = {"env": environment(), "jax": jax.__version__ if jax is not None else None, "jax_skipped": why,
-            "threads": a.threads, "cores": cores, "shape": shape, "steps": steps, "reps": reps, "warm": warm, "quick": a.quick,
-            "results": {f"{fw}/{c}": r for (fw, c), r in res.items()}, "jax_collectives": collectives, "spmd_collectives": spmd_coll,
-            "errors": errors}
-    write_results("jax_mlp", md, data, a.out)
+    write_results("jax_mlp", md, data, a.out, readme=readme_table)
     return data
 
 

@@ -2,6 +2,7 @@
 vs torch DTensor tensor parallel at world size 1, in one process.
 
 usage: python benchmarks/bench_mlp.py [--quick] [--steps N] [--reps R] [--configs D,H,L,B ...] [--out DIR]
+       python benchmarks/bench_mlp.py --readme-only   # README.md's table from results/mlp.json, runs nothing
 
 The model, data and optimisers follow /work/shared/peer-bench/bench_mlp.py; see benchmarks/README.md.
 """
@@ -26,7 +27,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import spmd
-from benchmarks._common import environment, fmt, md_table, ratio, torch_dist_ws1, write_results
+from benchmarks._common import environment, fmt, md_table, ratio, torch_dist_ws1, update_readme, write_results
 from spmd import UNSHARDED, Layout
 
 CONFIGS = [(64, 256, 4, 32), (256, 1024, 4, 32)]
@@ -187,6 +188,24 @@ def run_config(d, h, L, B, steps, reps, warm, variants) -> dict:
     return out
 
 
+def caption(data: dict) -> str:
+    return (f"{data['env']}. Medians of {data['reps']} repetitions × {data['steps']} steps after {data['warm']} "
+            "warm-up steps; variants timed round-robin.")
+
+
+def readme_table(data: dict) -> str:
+    """README.md's table from mlp.json: ms/step of every variant per config and optimizer."""
+    rows = []
+    for cfg, per_opt in data["results"].items():
+        d, h, L, b = cfg.split(",")
+        for optname, runs in per_opt.items():
+            m = {v: runs.get(v, {}).get("median_ms") for v in VARIANTS}
+            rows.append([f"D={d} H={h} L={L} B={b}", optname] + [fmt(m[v]) for v in VARIANTS]
+                        + [ratio(m["spmd1"], m["dt"])])
+    hdr = ["residual MLP, ms/step", "optimizer"] + [LABELS[v] for v in VARIANTS] + ["spmd 1-dev / torch DT"]
+    return caption(data) + "\n\n" + md_table(hdr, rows)
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="a tiny model and few steps: a smoke run")
@@ -196,7 +215,10 @@ def main(argv=None) -> dict:
     p.add_argument("--configs", nargs="*", default=None, help="D,H,L,B (default 64,256,4,32 256,1024,4,32)")
     p.add_argument("--no-dt", action="store_true", help="skip torch.distributed.tensor")
     p.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
+    p.add_argument("--readme-only", action="store_true", help="README.md's table from results/mlp.json; no run")
     a = p.parse_args(argv)
+    if a.readme_only:
+        return update_readme("mlp", readme_table, a.out)
     configs = ([tuple(int(v) for v in c.split(",")) for c in a.configs] if a.configs
                else QUICK_CONFIGS if a.quick else CONFIGS)
     steps = a.steps or (2 if a.quick else 10)
@@ -243,11 +265,12 @@ def main(argv=None) -> dict:
                                   f"bitwise equal to plain at every step: {r['loss_equal']}; max |Δloss| "
                                   f"{r['max_loss_diff']:.2e}")
     table = md_table(hdr, rows)
+    data = {"env": environment(), "steps": steps, "reps": reps, "warm": warm, "quick": a.quick,
+            "results": {",".join(map(str, c)): v for c, v in results.items()}, "errors": errors}
     md = "\n".join([
         "# Residual-MLP training step (ms/step)", "",
-        f"{environment()}. Medians of {reps} repetitions × {steps} steps after {warm} warm-up steps; "
-        f"variants timed round-robin. Run time {elapsed:.0f} s" + (
-            " — QUICK smoke run, numbers are noise." if a.quick else "."), "",
+        f"{caption(data)} Run time {elapsed:.0f} s" + (" — QUICK smoke run, numbers are noise." if a.quick else "."),
+        "",
         "Model: L blocks `x + Linear(H→D)(relu(Linear(D→H)(x)))`, MSE loss, SGD / AdamW (lr 1e-3, foreach=False). "
         "spmd 1-dev: every parameter a replicated `DVariable` on `create_mesh([('x',1)])`; spmd 8-dev: mesh "
         "batch=4 × model=2, data sharded on batch, w1 weight/bias sharded on output features over 'model', w2 "
@@ -257,9 +280,7 @@ def main(argv=None) -> dict:
         "## Gradient memory layout", "", *diags, ""])
     if errors:
         md += "\n## Failures\n\n" + "\n".join(errors) + "\n"
-    data = {"env": environment(), "steps": steps, "reps": reps, "warm": warm, "quick": a.quick,
-            "results": {",".join(map(str, c)): v for c, v in results.items()}, "errors": errors}
-    write_results("mlp", md, data, a.out)
+    write_results("mlp", md, data, a.out, readme=readme_table)
     return data
 
 

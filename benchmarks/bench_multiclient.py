@@ -7,6 +7,7 @@
     batch=2, replicated DVariables, data sharded on batch) vs DDP vs torch DT (Replicate params, Shard(0) data).
 
 usage: python benchmarks/bench_multiclient.py [--quick] [--sizes 64 512 2048] [--reps R] [--steps N] [--out DIR]
+       python benchmarks/bench_multiclient.py --readme-only   # README.md's table from results/multiclient.json
 The script launches its own 2 worker processes (hard timeout); client 0 reports. See benchmarks/README.md.
 """
 
@@ -25,12 +26,23 @@ if __package__ in (None, ""):
 
 import torch
 
-from benchmarks._common import environment, fmt, free_port, md_table, ratio, time_cases, write_results
+from benchmarks._common import (
+    environment,
+    fmt,
+    free_port,
+    md_table,
+    ratio,
+    time_cases,
+    update_readme,
+    write_results,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KINDS = ("all_gather", "all_to_all", "reduce_scatter", "all_reduce")
 KIND_LABEL = {"all_gather": "all-gather S0→R", "all_to_all": "all-to-all S0→S1",
               "reduce_scatter": "reduce-scatter P→S0", "all_reduce": "all-reduce P→R"}
+RAW_CALL = {"all_gather": "`all_gather`", "all_to_all": "`all_to_all_single`",
+            "reduce_scatter": "`all_reduce`; gloo has none", "all_reduce": "`all_reduce`"}
 MLP = (256, 1024, 4, 32)  # D, H, L, per-rank batch
 QUICK_MLP = (16, 32, 2, 4)
 
@@ -264,11 +276,38 @@ def _gbps(nbytes: int, us: float | None) -> str:
     return "–" if not us else f"{nbytes / us / 1e3:.2f}"
 
 
+def caption(data: dict) -> str:
+    return (f"{data['environment']}; 2 clients on 127.0.0.1, gloo, 1 thread each. Medians over the repetitions "
+            "(round-robin).")
+
+
+def readme_table(data: dict) -> str:
+    """README.md's table from multiclient.json: the relayouts at the largest N (µs), the MLP step (ms)."""
+    us = lambda x: "–" if x is None else f"{x:,.0f}"  # noqa: E731
+    slash = " / ".join
+    rows, unit = [], ""
+    if "relayout" in data:
+        n = max(data["relayout"], key=int)
+        unit = f" Relayouts of {n}×{n} fp32 in µs per call (P = a pending sum)."
+        res = data["relayout"][n]["results"]
+        for k in KINDS:
+            s, raw, dt = (res.get(f"{k}/{v}", {}).get("median") for v in ("spmd", "raw", "dt"))
+            rows.append([KIND_LABEL[k], f"{us(raw)} ({RAW_CALL[k]})", us(s), us(dt), ratio(s, raw), ratio(s, dt)])
+    if "mlp" in data:
+        m = data["mlp"]
+        s, ddp, dt = ([m["results"].get(f"{v}/{o}", {}).get("median") for o in ("sgd", "adamw")]
+                      for v in ("spmd", "ddp", "dt"))
+        rows.append([f"data-parallel MLP step D={m['config'][0]} H={m['config'][1]} (ms), SGD / AdamW",
+                     "DDP " + slash(map(fmt, ddp)), slash(map(fmt, s)), slash(map(fmt, dt)),
+                     slash(map(ratio, s, ddp)) + " of DDP", slash(map(ratio, s, dt))])
+    hdr = ["", "raw `torch.distributed`", "spmd", "torch DT", "spmd / raw", "spmd / torch DT"]
+    return caption(data) + unit + "\n\n" + md_table(hdr, rows)
+
+
 def report(data: dict) -> str:
     lines = ["# Multi-client: spmd vs torch.distributed, torch DTensor and DDP (2 processes, gloo)", "",
-             f"{data['environment']}; 2 clients on 127.0.0.1, gloo, 1 thread each. Medians over the repetitions "
-             "(round-robin). `python benchmarks/bench_multiclient.py`" + (" **(--quick: numbers are noise)**"
-                                                                            if data.get("quick") else ""), ""]
+             f"{caption(data)} `python benchmarks/bench_multiclient.py`" + (" **(--quick: numbers are noise)**"
+                                                                          if data.get("quick") else ""), ""]
     if "relayout" in data:
         lines += ["## Relayout on a 1-D mesh of 2 clients × 1 device (fp32 N×N global)", "",
                   "µs per call; GB/s = global tensor bytes / time. raw = the torch.distributed collective on the "
@@ -333,8 +372,11 @@ def main(argv=None) -> dict:
     p.add_argument("--no-mlp", action="store_true")
     p.add_argument("--timeout", type=float, default=None, help="hard limit for the 2 clients, seconds")
     p.add_argument("--out", default=None)
+    p.add_argument("--readme-only", action="store_true", help="README.md's table from results/multiclient.json")
     p.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.readme_only:
+        return update_readme("multiclient", readme_table, args.out)
     if args.sizes is None:
         args.sizes = [16] if args.quick else [64, 512, 2048]
     args.reps = args.reps or (1 if args.quick else 5)
@@ -346,7 +388,7 @@ def main(argv=None) -> dict:
     passthrough = [a for a in (argv if argv is not None else sys.argv[1:]) if a]
     data = _launch(passthrough, args.timeout or (60 if args.quick else 580))
     markdown = report(data)
-    write_results("multiclient", markdown, data, args.out)
+    write_results("multiclient", markdown, data, args.out, readme=readme_table)
     return data
 
 

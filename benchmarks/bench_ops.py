@@ -1,6 +1,7 @@
 """Per-op eager overhead, one process: plain torch vs spmd (1- and 8-virtual-device meshes) vs torch DTensor (ws=1).
 
 usage: python benchmarks/bench_ops.py [--quick] [--iters N] [--reps R] [--n 64] [--no-profile] [--out DIR]
+       python benchmarks/bench_ops.py --readme-only   # README.md's table from results/ops.json, runs nothing
 
 Cases follow /work/shared/peer-bench/bench_ops.py (64x64 fp32, torch.set_num_threads(1)); see benchmarks/README.md.
 """
@@ -32,6 +33,7 @@ from benchmarks._common import (
     ratio,
     time_cases,
     torch_dist_ws1,
+    update_readme,
     write_results,
 )
 from spmd import UNSHARDED, Layout
@@ -314,6 +316,41 @@ def profile_ops(side: SpmdSide, calls: int, top: int = 20) -> dict[str, str]:
 
 
 # -- report -------------------------------------------------------------------------------------------------------
+README_ROWS = (  # (README label, section of ops.json, cases shown as "a / b / c")
+    ("`mm` S0@R", "ops", ("mm S0@R",)),
+    ("`mm` S1@S0 (sharded contraction)", "ops", ("mm S1@S0 (contraction; spmd all-reduces, DT → Partial)",)),
+    ("`add` / `relu` / `sum`", "ops", ("add S0+S0", "relu S0", "sum S0 → scalar (spmd all-reduces, DT → Partial)")),
+    ("`view` / `t()`", "ops", ("view S0 → (n, n/2, 2)", "t() S0 → S1")),
+    ("`mm` forward with `requires_grad`", "ops", ("mm S0@R fwd, requires_grad",)),
+    ("cache miss: first `mm` on a new shape", "cache", ("miss",)),
+    ("relayout S0→R / S0→S1 / R→S0", "relayout",
+     ("S0 → R (all-gather)", "S0 → S1 (all-to-all)", "R → S0 (local slice)")),
+)
+
+
+def caption(data: dict) -> str:
+    return (f"{data['env']}. {data['n']}×{data['n']} fp32, medians of {data['reps']} repetitions × {data['iters']} "
+            f"calls (cache-miss rows: {data['reps']} × {data['shapes']} fresh shapes), µs per call.")
+
+
+def readme_table(data: dict) -> str:
+    """README.md's per-op table (plain torch, spmd on 1 device, torch DT at ws=1) from ops.json."""
+    def medians(section, case):  # µs: plain torch (relayouts: the raw data movement), spmd 1-dev, torch DT
+        if section == "cache":
+            return tuple(med(data["cache"], k) for k in ("plain", f"spmd1 {case}", f"dt {case}"))
+        r = data[section][case]
+        return med(r, "raw1" if section == "relayout" else "plain"), med(r, "spmd1"), med(r, "dt")
+
+    rows = []
+    for label, section, cases in README_ROWS:
+        plain, s, d = zip(*(medians(section, c) for c in cases))
+        rows.append([label, " / ".join(map(fmt, plain)) + (" (raw)" if section == "relayout" else ""),
+                     " / ".join(map(fmt, s)), " / ".join(map(fmt, d)), " / ".join(map(ratio, s, d))])
+    n = data["n"]
+    hdr = [f"op, {n}×{n} fp32, µs per call", "plain torch", "spmd, 1 device", "torch DT, ws=1", "spmd / torch DT"]
+    return caption(data) + "\n\n" + md_table(hdr, rows)
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="few iterations: a smoke run, numbers are noise")
@@ -324,7 +361,10 @@ def main(argv=None) -> dict:
     p.add_argument("--no-dt", action="store_true", help="skip torch.distributed.tensor")
     p.add_argument("--no-profile", action="store_true")
     p.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
+    p.add_argument("--readme-only", action="store_true", help="README.md's table from results/ops.json; no run")
     a = p.parse_args(argv)
+    if a.readme_only:
+        return update_readme("ops", readme_table, a.out)
     iters = a.iters or (20 if a.quick else 1000)
     reps = a.reps or (3 if a.quick else 5)
     shapes = a.shapes or (5 if a.quick else 100)
@@ -381,11 +421,13 @@ def main(argv=None) -> dict:
     bd_md = md_table(bhdr, brows)
 
     cstats = spmd.cache_stats()
+    data = {"env": environment(), "n": n, "iters": iters, "reps": reps, "shapes": shapes, "quick": a.quick,
+            "ops": dict(ops), "relayout": dict(rel), "cache": cache, "breakdown": bd, "profile": prof,
+            "cache_stats": cstats, "errors": errors}
     md = "\n".join([
         "# spmd per-op eager overhead", "",
-        f"{environment()}. {n}×{n} fp32, medians of {reps} repetitions × {iters} calls (cache-miss rows: "
-        f"{reps} × {shapes} fresh shapes), µs per call. Run time {elapsed:.0f} s"
-        + (" — QUICK smoke run, numbers are noise." if a.quick else "."), "",
+        f"{caption(data)} Run time {elapsed:.0f} s" + (" — QUICK smoke run, numbers are noise." if a.quick else "."),
+        "",
         "spmd: 1-device mesh `create_mesh([('x',1)])` and 8 virtual CPU devices `[('x',8)]` in one process; torch "
         "DT: `torch.distributed.tensor` on a gloo group of world size 1 in the same process. *8-dev stacked kernel* "
         "is the torch op spmd runs on the stacked components `(8, *local)` (the work with zero overhead); an op "
@@ -407,10 +449,7 @@ def main(argv=None) -> dict:
             "```\n" + v + "\n```" for v in prof.values()) + "\n"
     if errors:
         md += "\n## Failures\n\n" + "\n".join(errors) + "\n"
-    data = {"env": environment(), "n": n, "iters": iters, "reps": reps, "shapes": shapes, "quick": a.quick,
-            "ops": dict(ops), "relayout": dict(rel), "cache": cache, "breakdown": bd, "profile": prof,
-            "cache_stats": cstats, "errors": errors}
-    write_results("ops", md, data, a.out)
+    write_results("ops", md, data, a.out, readme=readme_table)
     return data
 
 

@@ -10,14 +10,16 @@ from spmd.creation import call_with_layout, empty, fill, full, ones, ones_like, 
 from spmd.data import DTensorDataset, create_dtensor_iterable
 from spmd.dispatch import cache_stats
 from spmd.dtensor import DTensor, check_layout, fetch_layout, is_dtensor, pack, unpack
+from spmd.explain import CollectiveRecord, Explanation
 from spmd.errors import (CollectiveError, IndivisibleError, LayoutError, MeshMismatchError, MixedTensorError,
-                         UnsupportedOpError)
+                         TraceError, UnsupportedOpError)
 from spmd.layout import MATCH, UNSHARDED, Layout
 from spmd.mesh import Mesh, MeshDimension, create_mesh
 from spmd import runtime
 from spmd.runtime import (barrier, client_id, create_distributed_mesh, initialize_accelerator_system, job_name,
                           local_devices, num_clients, num_global_devices, num_local_devices,
                           shutdown_accelerator_system)
+from spmd.function_mode import Function, function
 from spmd.nn import LayoutMap, Strategy, distribute_module
 from spmd.scope import default_mesh, get_default_mesh
 from spmd.variable import DVariable
@@ -34,5 +36,5 @@ __all__ = [
     "LayoutMap", "distribute_module", "Strategy", "visualize",
     "runtime", "initialize_accelerator_system", "shutdown_accelerator_system", "client_id", "num_clients",
     "job_name", "local_devices", "num_local_devices", "num_global_devices", "create_distributed_mesh", "barrier",
-    "CollectiveError",
+    "CollectiveError", "function", "Function", "Explanation", "CollectiveRecord", "TraceError",
 ]

@@ -10,7 +10,7 @@ import warnings
 
 import torch
 
-from spmd import foreach, redistribute
+from spmd import explain, foreach, redistribute
 from spmd.dtensor import DTensor
 from spmd.errors import MeshMismatchError, MixedTensorError, UnsupportedOpError
 from spmd.layout import Layout
@@ -88,6 +88,8 @@ def dispatch(cls, func, types, args=(), kwargs=None):
     plan = _CACHE.get(key)
     if plan is None:
         plan = _miss(key, func, args, kwargs or {}, tensors)
+    if explain.RECORDERS:
+        return _recorded(plan, func, args, kwargs or {}, tensors)
     return _execute(plan, func, args, kwargs or {}, tensors)
 
 
@@ -144,6 +146,14 @@ def _execute(plan: _Plan, func, args, kwargs, tensors):
     if plan.copied_view:
         return _mark_copied(_wrap(plan, out, locals_, args, kwargs))
     return _wrap(plan, out, locals_, args, kwargs)
+
+
+def _recorded(plan: _Plan, func, args, kwargs, tensors):
+    recorder = explain.RECORDERS[-1]
+    recorder.op_started(func, tensors)
+    out = _execute(plan, func, args, kwargs, tensors)
+    recorder.op_finished(out)
+    return out
 
 
 def _mark_copied(out):

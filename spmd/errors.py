@@ -28,3 +28,8 @@ class UnsupportedOpError(NotImplementedError):
 class CollectiveError(RuntimeError):
     """A collective across clients failed or timed out (a client died, stalled, or ran a different program);
     the message names this client, the collective, the mesh dimensions and the clients involved."""
+
+
+class TraceError(RuntimeError):
+    """`spmd.function` could not trace a function as one graph (e.g. Python control flow on a DTensor's values);
+    the message names the reason and the line of the user's function."""

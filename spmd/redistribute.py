@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 import torch
 
+from spmd import explain
 from spmd.collectives import backend_for
 
 
@@ -90,6 +91,8 @@ def run(local: torch.Tensor, mesh, steps: tuple[Step, ...]) -> torch.Tensor:
         return local
     comm = backend_for(mesh)
     for s in steps:
+        if explain.RECORDERS and s.kind != "shard":
+            explain.collective(s.kind, (s.mesh_dim,), local)
         if s.kind == "all_reduce":
             local = comm.all_reduce(local, mesh, (s.mesh_dim,), s.op)
         elif s.kind == "reduce_scatter":

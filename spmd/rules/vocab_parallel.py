@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from spmd import explain
 from spmd.collectives import backend_for
 from spmd.rules import register
 from spmd.rules.common import Decision, OpCall, shard_starts
@@ -36,8 +37,8 @@ def softmax_rule(call: OpCall) -> Decision:
 
     def kernel(l, a, k):
         x = l[0].float() if a[2] else l[0]  # half_to_float
-        z = x - comm.all_reduce(x.amax(d + 1, keepdim=True), mesh, (m,), "max")
-        total = comm.all_reduce(z.exp().sum(d + 1, keepdim=True), mesh, (m,), "sum")
+        z = x - _all_reduce(comm, x.amax(d + 1, keepdim=True), mesh, (m,), "max")
+        total = _all_reduce(comm, z.exp().sum(d + 1, keepdim=True), mesh, (m,), "sum")
         return z - total.log() if log else z.exp() / total
     return Decision((axes,), (axes,), kernel)
 
@@ -53,8 +54,8 @@ def softmax_backward(call: OpCall) -> Decision:
     def kernel(l, a, k):
         grad, out = l
         if log:  # d/dx of log_softmax: grad - softmax * sum(grad)
-            return grad - out.exp() * comm.all_reduce(grad.sum(d + 1, keepdim=True), mesh, (m,), "sum")
-        return out * (grad - comm.all_reduce((grad * out).sum(d + 1, keepdim=True), mesh, (m,), "sum"))
+            return grad - out.exp() * _all_reduce(comm, grad.sum(d + 1, keepdim=True), mesh, (m,), "sum")
+        return out * (grad - _all_reduce(comm, (grad * out).sum(d + 1, keepdim=True), mesh, (m,), "sum"))
     return Decision((axes, axes), (axes,), kernel)
 
 
@@ -85,7 +86,7 @@ def nll_rule(call: OpCall) -> Decision:
         local_t = t - starts.view(n_local, 1)
         inside = (local_t >= 0) & (local_t < block)
         picked = xl.gather(2, local_t.clamp(0, block - 1).unsqueeze(-1)).squeeze(-1) * inside
-        picked = comm.all_reduce(picked, mesh, (m,), "sum")  # every device now has logp[target] of its rows
+        picked = _all_reduce(comm, picked, mesh, (m,), "sum")  # every device now has logp[target] of its rows
         keep = t != ignore_index
         row_w = (w[t.clamp(min=0)] if w is not None else torch.ones_like(picked)) * keep
         per_row = -picked * row_w
@@ -131,3 +132,8 @@ def nll_backward_rule(call: OpCall) -> Decision:
         return out.view(xl.shape)
     inputs = (g_axes, x_axes, t_axes) + (((None,),) if weight is not None else ()) + ((),)
     return Decision(inputs, (x_axes,), kernel)
+
+
+def _all_reduce(comm, x, mesh, mesh_dims, op):
+    explain.collective("all_reduce", mesh_dims, x)
+    return comm.all_reduce(x, mesh, mesh_dims, op)

@@ -1,0 +1,226 @@
+"""Function mode: `spmd.function` traces a function over DTensors once per input signature, expands it onto the
+mesh at trace time (the rules decide layouts and collectives once) and compiles the result.
+
+It is `torch.compile` over DTensors (a DTensor is a traceable subclass: the compiled graph holds plain kernels on
+the stacked components, and the collectives), plus the seeds' rules for functions: plain tensor arguments are
+broadcast to replicated DTensors, `out_layouts=` constrains the results, `explain()` lists what a trace does,
+`experimental_get_tracing_count()` says how often it traced.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+import warnings
+from typing import Any, Callable
+
+import torch
+import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from spmd.api import copy_to_mesh, relayout
+from spmd.dtensor import DTensor
+from spmd.errors import TraceError
+from spmd.explain import Explanation, Recorder
+from spmd.layout import Layout
+
+# torch's own graph breaks in a training step: autograd's backward and the optimizer's step run between graphs
+_EXPECTED_BREAKS = ("backward", "graph_break()", "optimizer")
+
+
+def function(fn: Callable | None = None, *, backend: str | Callable = "inductor", mode: str | None = None,
+             dynamic: bool = False, fullgraph: bool = True, out_layouts: Any = None,
+             max_autobroadcast_elements: int = 1 << 16):
+    """Compiles `fn` over DTensors (the seeds' `tf.function`). Use as `@spmd.function` or
+    `spmd.function(fn, backend=...)`.
+
+    Args:
+      backend, mode, dynamic: as for `torch.compile` (`mode="reduce-overhead"` uses CUDA graphs).
+      fullgraph: True (default) raises `TraceError` where `fn` cannot be traced as one graph; False runs the
+        untraceable part eagerly, with a warning (a training step's `backward()` and `optimizer.step()` are
+        torch's own graph breaks and are not warned about).
+      out_layouts: a Layout, or a structure of Layouts (None for "any") matching `fn`'s results: the results
+        are relayouted inside the traced graph.
+      max_autobroadcast_elements: plain tensor arguments up to this size become replicated DTensors on the
+        mesh of the DTensor arguments; larger ones raise `TypeError` (convert them with `copy_to_mesh`).
+
+    >>> mesh = create_mesh([("x", 2)])
+    >>> @function(backend="eager")
+    ... def f(a, b):
+    ...     return (a * b).sum()
+    >>> a = copy_to_mesh(torch.arange(4.), Layout(["x"], mesh))
+    >>> f(a, torch.ones(4)).item(), f.experimental_get_tracing_count()
+    (6.0, 1)
+    """
+    if fn is None:
+        return functools.partial(function, backend=backend, mode=mode, dynamic=dynamic, fullgraph=fullgraph,
+                                 out_layouts=out_layouts, max_autobroadcast_elements=max_autobroadcast_elements)
+    return Function(fn, backend=backend, mode=mode, dynamic=dynamic, fullgraph=fullgraph, out_layouts=out_layouts,
+                    max_autobroadcast_elements=max_autobroadcast_elements)
+
+
+class Function:
+    """A function traced and compiled over DTensors; see `spmd.function`."""
+
+    def __init__(self, fn, *, backend, mode, dynamic, fullgraph, out_layouts, max_autobroadcast_elements):
+        functools.update_wrapper(self, fn)
+        self._fn = fn
+        self._out_layouts = out_layouts
+        self._fullgraph = fullgraph
+        self._dynamic = dynamic
+        self._max_broadcast = max_autobroadcast_elements
+        self._traces = 0
+        self._top_frame = None
+        self._compile = _backend(backend, mode, dynamic)
+        self._compiled = torch.compile(_own_code(self._body), backend=self._counting, fullgraph=fullgraph,
+                                       dynamic=dynamic)
+
+    def __call__(self, *args, **kwargs):
+        args, kwargs = self._broadcast(args, kwargs)
+        traces, breaks = self._traces, _graph_breaks()
+        try:
+            out = self._compiled(*args, **kwargs)
+        except torch._dynamo.exc.Unsupported as e:
+            raise _trace_error(self._fn, e) from None
+        if self._traces != traces:
+            self._warn_breaks(breaks)
+        return out
+
+    def __get__(self, obj, objtype=None):  # a decorated method binds like a function
+        return self if obj is None else functools.partial(self, obj)
+
+    def experimental_get_tracing_count(self) -> int:
+        """How many times `fn` was traced: once per new signature (layouts, shapes, dtypes of the arguments)."""
+        return self._traces
+
+    def explain(self, *args, backward: bool = False, **kwargs) -> Explanation:
+        """Traces `fn` for these arguments without running it, and returns what its expansion does: every op with
+        the layouts of its inputs and outputs, and every collective (`.collectives`: kind, mesh dims, bytes).
+
+        With `backward=True` the (first) result that requires grad is also differentiated, and the backward's
+        ops and collectives are listed too (marked `backward`). A function with a graph break is explained up
+        to its first break.
+        """
+        args, kwargs = self._broadcast(args, kwargs)
+        recorder = Recorder()
+
+        def capture(gm, example_inputs):
+            # the graph runs op by op on fake components: every rule decides, no kernel computes, nothing mutates
+            fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+            inputs = [fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in example_inputs]
+            with fake_mode, recorder:
+                outs = gm(*inputs)
+                if backward:
+                    _differentiate(outs, inputs)
+            raise _Captured
+
+        try:
+            torch.compile(_own_code(self._body), backend=capture, dynamic=self._dynamic)(*args, **kwargs)
+        except torch._dynamo.exc.BackendCompilerFailed as e:
+            if not isinstance(e.inner_exception, _Captured):
+                raise
+        except torch._dynamo.exc.Unsupported as e:
+            raise _trace_error(self._fn, e) from None
+        return recorder.explanation
+
+    # -- what Dynamo traces -----------------------------------------------------------------------------------
+    def _body(self, *args, **kwargs):
+        out = self._fn(*args, **kwargs)
+        return out if self._out_layouts is None else _constrain(out, self._out_layouts)
+
+    def _counting(self, gm, example_inputs):
+        frame = torch._guards.CompileContext.current_compile_id()
+        frame_id = getattr(frame, "frame_id", None)
+        if self._top_frame is None:
+            self._top_frame = frame_id
+        if frame_id == self._top_frame:
+            self._traces += 1
+        return self._compile(gm, example_inputs)
+
+    def _broadcast(self, args, kwargs):
+        """The seeds' autobroadcast: plain tensor arguments become replicated DTensors on the DTensors' mesh."""
+        leaves = pytree.tree_leaves((args, kwargs))
+        mesh = next((t._layout.mesh for t in leaves if isinstance(t, DTensor)), None)
+        if mesh is None or not any(_is_plain(t) for t in leaves):
+            return args, kwargs
+
+        def convert(t):
+            if not _is_plain(t):
+                return t
+            if t.numel() > self._max_broadcast:
+                raise TypeError(
+                    f"{self.__name__}: a plain tensor argument of shape {list(t.shape)} ({t.numel()} elements) is "
+                    f"larger than max_autobroadcast_elements={self._max_broadcast}, so it is not replicated on "
+                    f"every device implicitly. Distribute it first: spmd.copy_to_mesh(t, layout), or raise the "
+                    "limit with spmd.function(..., max_autobroadcast_elements=N)")
+            return copy_to_mesh(t, Layout.replicated(mesh, t.dim()))
+
+        return pytree.tree_map(convert, (args, kwargs))
+
+    def _warn_breaks(self, before: dict) -> None:
+        new = [r for r, n in _graph_breaks().items() if n > before.get(r, 0)
+               and not any(e in r for e in _EXPECTED_BREAKS)]
+        if new:
+            warnings.warn(f"spmd.function({self.__name__}): parts of the function run eagerly (graph breaks): "
+                          + "; ".join(r.splitlines()[0] for r in new), stacklevel=3)
+
+
+def _is_plain(t) -> bool:
+    return isinstance(t, torch.Tensor) and not isinstance(t, DTensor)
+
+
+def _constrain(out, layouts):
+    if isinstance(layouts, Layout):
+        return relayout(out, layouts)
+    if layouts is None:
+        return out
+    if isinstance(layouts, dict):
+        return type(out)({k: _constrain(v, layouts.get(k)) for k, v in out.items()})
+    if isinstance(layouts, (list, tuple)) and isinstance(out, (list, tuple)) and len(layouts) == len(out):
+        return type(out)(_constrain(o, l) for o, l in zip(out, layouts))
+    raise TypeError(f"out_layouts {layouts!r} does not match the structure of the function's results")
+
+
+def _backend(backend, mode, dynamic) -> Callable:
+    """The compiler called on each captured graph (torch.compile's own resolution of backend and mode)."""
+    if backend == "inductor":
+        from torch._inductor import list_mode_options
+        from torch._inductor.compile_fx import compile_fx
+        patches = list_mode_options(mode, dynamic) if mode else {}
+        return lambda gm, example_inputs: compile_fx(gm, example_inputs, config_patches=patches)
+    if mode is not None:
+        raise ValueError(f"mode={mode!r} applies to the inductor backend only, not {backend!r}")
+    return torch._dynamo.lookup_backend(backend)
+
+
+def _own_code(method) -> Callable:
+    """A function with a code object of its own: Dynamo caches traces (and counts recompiles) per code object,
+    so each `spmd.function` and each `explain` keeps its own."""
+    fn = method.__func__
+    own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    return types.MethodType(own, method.__self__)
+
+
+def _graph_breaks() -> dict:
+    return dict(torch._dynamo.utils.counters["graph_break"])
+
+
+def _trace_error(fn, e: Exception) -> TraceError:
+    lines = [line for line in str(e).splitlines() if line.strip()]
+    where = [line.strip() for line in lines if line.strip().startswith("File ")]
+    return TraceError(f"spmd.function could not trace {getattr(fn, '__qualname__', fn)!r} as one graph: {lines[0]}"
+                      + (f" (at {where[-1]})" if where else "")
+                      + ". Rewrite that line without Python control flow on tensor values, or pass "
+                        "fullgraph=False to run the untraceable part eagerly.")
+
+
+class _Captured(Exception):
+    """Raised by explain's backend once the graph was expanded: nothing is compiled or run."""
+
+
+def _differentiate(outs, inputs) -> None:
+    outs = outs if isinstance(outs, (list, tuple)) else (outs,)
+    loss = next((o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad), None)
+    wrt = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+    if loss is not None and wrt:
+        torch.autograd.grad(loss.sum() if loss.dim() else loss, wrt, allow_unused=True)
