@@ -25,7 +25,7 @@ from spmd.explain import Explanation, Recorder
 from spmd.layout import Layout
 
 # torch's own graph breaks in a training step: autograd's backward and the optimizer's step run between graphs
-_EXPECTED_BREAKS = ("backward", "graph_break()", "optimizer")
+_EXPECTED_BREAKS = ("Tensor.backward()", "torch._dynamo.graph_break()", "`Optimizer.")
 
 
 def function(fn: Callable | None = None, *, backend: str | Callable = "inductor", mode: str | None = None,

@@ -169,10 +169,27 @@ def generic_kernel(func, arg_overrides: dict | None = None, kwarg_overrides: dic
     return kernel
 
 
-def shard_starts(call: OpCall, mesh_dim: str, block: int, ndim: int) -> torch.Tensor:
+def constant(build: Callable[[], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A tensor a kernel needs that depends only on its decision (e.g. each device's first index of a shard):
+    `get(like)` builds it once for eager runs, and anew whenever the kernel runs inside a trace (on fake or
+    traced components, `like`), so that a cached decision never mixes real and traced tensors."""
+    cached: list = []
+
+    def get(like: torch.Tensor) -> torch.Tensor:
+        if type(like) is not torch.Tensor:
+            return build()
+        if not cached:
+            cached.append(build())
+        return cached[0]
+    return get
+
+
+def shard_starts(call: OpCall, mesh_dim: str, block: int, ndim: int) -> Callable[[torch.Tensor], torch.Tensor]:
     """Per local device, the first global index of its block along an axis sharded over `mesh_dim` (blocks of
-    `block` elements), shaped `(L, 1, ..., 1)` with `ndim` trailing ones to broadcast over a component."""
+    `block` elements), shaped `(L, 1, ..., 1)` with `ndim` trailing ones to broadcast over a component; a
+    `constant`."""
     mesh = call.mesh
     base = mesh.min_global_device_id()
     starts = [mesh.device_location(i - base)[mesh.axis_index(mesh_dim)] * block for i in mesh.local_device_ids()]
-    return torch.tensor(starts, device=mesh.torch_device).view((call.num_local,) + (1,) * ndim)
+    shape = (call.num_local,) + (1,) * ndim
+    return constant(lambda: torch.tensor(starts, device=mesh.torch_device).view(shape))

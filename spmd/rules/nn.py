@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from spmd.rules import register
-from spmd.rules.common import Decision, OpCall, shard_starts, unsupported
+from spmd.rules.common import Decision, OpCall, constant, shard_starts, unsupported
 from spmd.rules.reduction import arg
 
 aten = torch.ops.aten
@@ -79,16 +79,18 @@ def embedding_rule(call: OpCall) -> Decision:
     mesh, n_local = call.mesh, call.num_local
     # first row held by each local device, shaped to broadcast over the indices
     offsets = None if vocab_dim is None else shard_starts(call, vocab_dim, rows, idx.rank)
-    stack_base = torch.arange(n_local, device=mesh.torch_device).view((n_local,) + (1,) * idx.rank) * rows
+    stack_base = constant(lambda: torch.arange(n_local, device=mesh.torch_device).view(
+        (n_local,) + (1,) * idx.rank) * rows)
 
     def kernel(l, a, k):
         weight, ids = l
         flat = weight.reshape(n_local * rows, weight.shape[-1])
         if offsets is None:
-            return torch.nn.functional.embedding(ids + stack_base, flat).view(ids.shape + (weight.shape[-1],))
-        local = ids - offsets
+            out = torch.nn.functional.embedding(ids + stack_base(ids), flat)
+            return out.view(ids.shape + (weight.shape[-1],))
+        local = ids - offsets(ids)
         outside = (local < 0) | (local >= rows)
-        out = torch.nn.functional.embedding(local.clamp(0, rows - 1) + stack_base, flat)
+        out = torch.nn.functional.embedding(local.clamp(0, rows - 1) + stack_base(ids), flat)
         return out.masked_fill_(outside.unsqueeze(-1), 0)
     reduce = ((vocab_dim,),) if vocab_dim is not None else ()
     return Decision(((vocab_dim, emb_dim), idx_axes), (idx_axes + (emb_dim,),), kernel, reduce=reduce)

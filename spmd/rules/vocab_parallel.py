@@ -83,7 +83,7 @@ def nll_rule(call: OpCall) -> Decision:
         w = l[2][0] if weight is not None else None
         xl = xl.view(n_local, -1, block)  # (L, N, C/k)
         t = t.view(n_local, -1)
-        local_t = t - starts.view(n_local, 1)
+        local_t = t - starts(t).view(n_local, 1)
         inside = (local_t >= 0) & (local_t < block)
         picked = xl.gather(2, local_t.clamp(0, block - 1).unsqueeze(-1)).squeeze(-1) * inside
         picked = _all_reduce(comm, picked, mesh, (m,), "sum")  # every device now has logp[target] of its rows
@@ -118,7 +118,7 @@ def nll_backward_rule(call: OpCall) -> Decision:
         w = l[3][0] if weight is not None else None
         total = l[-1]
         t = t.view(n_local, -1)
-        local_t = t - starts
+        local_t = t - starts(t)
         inside = (local_t >= 0) & (local_t < block) & (t != ignore_index)
         scale = -(w[t.clamp(min=0)] if w is not None else torch.ones(t.shape, dtype=xl.dtype, device=xl.device))
         if reduction == _NONE:
