@@ -25,6 +25,8 @@ from spmd.explain import Explanation, Recorder
 from spmd.layout import Layout
 
 # torch's own graph breaks in a training step: autograd's backward and the optimizer's step run between graphs
+MAX_TRACES = 64  # traces of one function (torch's recompile limit) before it runs eagerly
+
 _EXPECTED_BREAKS = ("Tensor.backward()", "torch._dynamo.graph_break()", "`Optimizer.")
 
 
@@ -72,6 +74,8 @@ class Function:
         self._traces = 0
         self._top_frame = None
         self._compile = _backend(backend, mode, dynamic)
+        # each new layout is a trace: allow more than torch's default of 8 per function before it stops compiling
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, MAX_TRACES)
         self._compiled = torch.compile(_own_code(self._body), backend=self._counting, fullgraph=fullgraph,
                                        dynamic=dynamic)
 

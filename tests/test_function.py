@@ -1,0 +1,206 @@
+"""Function mode: `spmd.function` / `torch.compile` over DTensors equals eager spmd and plain torch (values,
+gradients, every device's component), traces once per signature, and `explain` lists the exact collectives.
+
+Most cases compile with the `aot_eager` backend: it runs the whole trace (Dynamo, AOTAutograd with the rules
+expanding every op, forward and backward) without inductor's code generation, which a few cases cover."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import spmd
+from spmd import UNSHARDED, Layout
+from sweep import all_layouts, components, gather
+
+U = UNSHARDED
+
+
+def _fn_cases():
+    return {
+        "mlp": (lambda x, w: torch.relu(x @ w).sum(-1), [(4, 8), (8, 4)]),
+        "softmax_mean": (lambda x, w: (F.softmax(x @ w, -1) * 2).mean(0), [(4, 8), (8, 4)]),
+        "view_transpose": (lambda x, w: (x.reshape(2, 2, 8).transpose(0, 1) + 1).sum(1) @ w, [(4, 8), (8, 4)]),
+    }
+
+
+@pytest.mark.parametrize("name", list(_fn_cases()))
+def test_compiled_equals_eager_for_every_layout(mesh22, name):
+    fn, shapes = _fn_cases()[name]
+    torch.manual_seed(0)
+    plain = [torch.randn(s, dtype=torch.float64) for s in shapes]
+    compiled = spmd.function(fn, backend="aot_eager")
+    for la in all_layouts(mesh22, shapes[0])[::2]:
+        for lb in all_layouts(mesh22, shapes[1])[::3]:
+            xs = [spmd.copy_to_mesh(p, l).requires_grad_() for p, l in zip(plain, (la, lb))]
+            eager_xs = [spmd.copy_to_mesh(p, l).requires_grad_() for p, l in zip(plain, (la, lb))]
+            out, eager = compiled(*xs), fn(*eager_xs)
+            assert spmd.fetch_layout(out) == spmd.fetch_layout(eager)
+            assert components(out) == components(eager)  # every device's component, bit for bit
+            torch.testing.assert_close(gather(out), fn(*plain))
+            out.sum().backward()
+            eager.sum().backward()
+            for x, e in zip(xs, eager_xs):
+                assert spmd.fetch_layout(x.grad) == spmd.fetch_layout(e.grad)
+                torch.testing.assert_close(gather(x.grad), gather(e.grad))
+
+
+def test_retraces_once_per_layout(mesh22):
+    f = spmd.function(lambda x: (x * 2).sum(0), backend="aot_eager")
+    value = torch.randn(4, 4)
+    for layout in [Layout(["x", U], mesh22), Layout(["x", U], mesh22), Layout([U, "y"], mesh22),
+                   Layout(["x", U], mesh22)]:
+        f(spmd.copy_to_mesh(value, layout))
+    assert f.experimental_get_tracing_count() == 2
+    f(spmd.copy_to_mesh(torch.randn(8, 4), Layout(["x", U], mesh22)))  # a new shape traces again
+    assert f.experimental_get_tracing_count() == 3
+
+
+def test_explain_megatron_mlp_forward_has_one_all_reduce(mesh22):
+    x = spmd.copy_to_mesh(torch.randn(8, 16), Layout(["x", U], mesh22))
+    w1 = spmd.copy_to_mesh(torch.randn(16, 32), Layout([U, "y"], mesh22))
+    w2 = spmd.copy_to_mesh(torch.randn(32, 16), Layout(["y", U], mesh22))
+    mlp = spmd.function(lambda x, w1, w2: F.gelu(x @ w1) @ w2)
+    e = mlp.explain(x, w1, w2)
+    assert [(c.kind, c.mesh_dims, c.bytes) for c in e.collectives] == [("all_reduce", ("y",), 4 * 16 * 4)]
+    assert [o.outputs for o in e.ops] == [(("x", "y"),), (("x", "y"),), (("x", None),)]
+    assert "all_reduce(y)" in str(e)
+
+
+def test_explain_data_parallel_backward_reduces_each_gradient_over_batch():
+    mesh = spmd.create_mesh([("batch", 4)])
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    spmd.distribute_module(model, mesh)
+    x = spmd.copy_to_mesh(torch.randn(16, 8), Layout(["batch", U], mesh))
+    e = spmd.function(lambda x: model(x).pow(2).mean()).explain(x, backward=True)
+    forward = [(c.kind, c.mesh_dims) for c in e.collectives if not c.backward]
+    backward = [(c.kind, c.mesh_dims) for c in e.collectives if c.backward]
+    assert forward == [("all_reduce", ("batch",))]  # the loss's mean over the sharded batch
+    assert backward == [("all_reduce", ("batch",))] * 4  # one per parameter gradient
+    assert sorted(c.bytes for c in e.collectives if c.backward) == sorted(
+        p.numel() * 4 for p in model.parameters())
+
+
+def test_explain_2d_mesh_collectives():
+    mesh = spmd.create_mesh([("batch", 2), ("model", 2)])
+    x = spmd.copy_to_mesh(torch.randn(8, 16), Layout(["batch", U], mesh))
+    w1 = spmd.copy_to_mesh(torch.randn(16, 32), Layout([U, "model"], mesh))
+    w2 = spmd.copy_to_mesh(torch.randn(32, 16), Layout(["model", U], mesh))
+    e = spmd.function(lambda x, w1, w2: (torch.relu(x @ w1) @ w2).sum()).explain(x, w1, w2)
+    assert [(c.kind, c.mesh_dims) for c in e.collectives] == [("all_reduce", ("model",)),
+                                                              ("all_reduce", ("batch",))]
+
+
+def test_relayout_inside_function_is_traced(mesh22):
+    src = spmd.copy_to_mesh(torch.arange(16.).reshape(4, 4), Layout(["x", U], mesh22))
+
+    def f(t):
+        return spmd.relayout(t * 2, Layout([U, "x"], mesh22))
+
+    compiled = spmd.function(f, backend="aot_eager", fullgraph=True)
+    out = compiled(src)
+    assert spmd.fetch_layout(out) == Layout([U, "x"], mesh22)
+    assert components(out) == components(f(src))
+    e = spmd.function(f).explain(src)
+    assert [(c.kind, c.mesh_dims) for c in e.collectives] == [("all_to_all", ("x",))]
+
+
+def test_out_layouts_and_autobroadcast(mesh22):
+    a = spmd.copy_to_mesh(torch.arange(8.).reshape(4, 2), Layout(["x", U], mesh22))
+    f = spmd.function(lambda a, b: (a + b, a * b), backend="aot_eager",
+                      out_layouts=(Layout.replicated(mesh22, 2), None))
+    total, prod = f(a, torch.ones(2))  # the plain tensor becomes a replicated DTensor
+    assert spmd.fetch_layout(total) == Layout.replicated(mesh22, 2)
+    assert spmd.fetch_layout(prod) == Layout(["x", U], mesh22)
+    torch.testing.assert_close(gather(total), torch.arange(8.).reshape(4, 2) + 1)
+    small = spmd.function(lambda a, b: a + b, max_autobroadcast_elements=1)
+    with pytest.raises(TypeError, match="max_autobroadcast_elements=1"):
+        small(a, torch.ones(2))
+
+
+def test_untraceable_function_names_the_line(mesh22):
+    a = spmd.copy_to_mesh(torch.ones(4), Layout(["x"], mesh22))
+
+    def branchy(t):
+        if t.sum() > 0:  # Python control flow on a value
+            return t * 2
+        return t
+
+    with pytest.raises(spmd.TraceError, match="branchy"):
+        spmd.function(branchy, backend="aot_eager")(a)
+    relaxed = spmd.function(branchy, backend="aot_eager", fullgraph=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = relaxed(a)
+    assert any("graph breaks" in str(w.message) for w in caught)
+    assert gather(out).tolist() == [2.0] * 4
+
+
+def _gpt(mesh):
+    from spmd.demo.model import GPT, GPTConfig, megatron_layouts
+    torch.manual_seed(0)
+    ref = GPT(GPTConfig(n_layer=1, d_model=32, block_size=8))
+    model = copy.deepcopy(ref)
+    spmd.distribute_module(model, mesh, spmd.LayoutMap({k: Layout(v, mesh) for k, v in megatron_layouts().items()}))
+    return ref, model
+
+
+def test_demo_gpt_forward_has_no_graph_break():
+    mesh = spmd.create_mesh([("batch", 2), ("model", 2)])
+    ref, model = _gpt(mesh)
+    dl = Layout(["batch", U], mesh)
+    pos = spmd.copy_to_mesh(torch.arange(8), Layout([U], mesh))
+    x, y = torch.randint(0, 96, (4, 8)), torch.randint(0, 96, (4, 8))
+    loss = spmd.function(lambda x, y: model(x, pos, y), backend="aot_eager", fullgraph=True)(
+        spmd.copy_to_mesh(x, dl), spmd.copy_to_mesh(y, dl))
+    torch.testing.assert_close(loss.item(), ref(x, torch.arange(8), y).item(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_training_step_matches_plain_torch(backend):
+    mesh = spmd.create_mesh([("batch", 2), ("model", 2)])
+    ref, model = _gpt(mesh)
+    # SGD with momentum: Adam would turn the rounding noise of k's bias gradient (exactly 0 in theory) into steps
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    dl = Layout(["batch", U], mesh)
+    pos = spmd.copy_to_mesh(torch.arange(8), Layout([U], mesh))
+
+    def step(x, y):
+        loss = model(x, pos, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    compiled = spmd.function(step, backend=backend, fullgraph=False)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x, y = torch.randint(0, 96, (4, 8), generator=g), torch.randint(0, 96, (4, 8), generator=g)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loss = compiled(spmd.copy_to_mesh(x, dl), spmd.copy_to_mesh(y, dl))
+        # backward and the optimizer are torch's own graph breaks: spmd does not warn about them
+        assert not [w for w in caught if "graph breaks" in str(w.message)]
+        ref_loss = ref(x, torch.arange(8), y)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        torch.testing.assert_close(loss.item(), ref_loss.item(), rtol=1e-5, atol=1e-6)
+    assert compiled.experimental_get_tracing_count() == 1
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert isinstance(p, spmd.DVariable), name
+        torch.testing.assert_close(gather(p), q.detach(), rtol=1e-4, atol=1e-5)
+
+
+def test_torch_compile_directly_on_dtensors(mesh22):
+    a = spmd.copy_to_mesh(torch.randn(4, 4), Layout(["x", "y"], mesh22))
+    fn = torch.compile(lambda t: torch.tanh(t) @ t.T, fullgraph=True, backend="inductor")
+    out = fn(a)
+    assert spmd.fetch_layout(out) == spmd.fetch_layout(torch.tanh(a) @ a.T)
+    torch.testing.assert_close(gather(out), torch.tanh(gather(a)) @ gather(a).T)
