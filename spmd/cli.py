@@ -169,6 +169,8 @@ def main(argv=None) -> int:
     train.add_argument("--device", choices=["cpu", "cuda"], default=defaults.device,
                        help="where the components live (cuda: virtual devices share the GPU)")
     train.add_argument("--seed", type=int, default=defaults.seed)
+    train.add_argument("--compile", action="store_true",
+                       help="run the training step under spmd.function (traced once, no per-op Python)")
     train.add_argument("--no-check", dest="check", action="store_false",
                        help="skip the single-device run that checks the loss curve")
     train.add_argument("--clients", type=int, default=1,
