@@ -21,6 +21,12 @@ def test_demo_loss_curve_matches_single_device(mesh, dropout):
     assert len(result["losses"]) == 3 and result["tokens_per_s"] > 0
 
 
+def test_demo_compiled_matches_single_device():
+    result = run(DemoArgs(mesh="batch=2,model=2", steps=3, batch_size=8, block_size=16, d_model=32, compile=True),
+                 _quiet())
+    assert result["parity"], result
+
+
 def test_parse_mesh():
     assert parse_mesh("batch=4,model=2") == [("batch", 4), ("model", 2)]
     with pytest.raises(ValueError, match="batch=4,model=2"):

@@ -30,3 +30,24 @@ def test_guide_examples():
                                              report=True, raise_on_error=False, globs={})
     assert attempted >= 60
     assert failed == 0, f"{failed} of {attempted} examples of {GUIDE.name} failed (see the output above)"
+
+
+def test_function_mode_guide_examples():
+    """docs/function.md. Its examples run in a namespace named after an importable module that holds the modules
+    they use: compiled code guards on a global module through its `__name__` (doctest's default is `__main__`)."""
+    import sys
+    import types
+
+    import torch
+
+    import spmd
+    namespace = types.ModuleType("spmd_function_guide")
+    namespace.torch, namespace.spmd = torch, spmd
+    sys.modules[namespace.__name__] = namespace
+    guide = GUIDE.parent / "function.md"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        failed, attempted = doctest.testfile(str(guide), module_relative=False, optionflags=FLAGS, verbose=False,
+                                             report=True, raise_on_error=False, globs=dict(vars(namespace)))
+    assert attempted >= 20
+    assert failed == 0, f"{failed} of {attempted} examples of {guide.name} failed (see the output above)"
