@@ -5,7 +5,7 @@ usage: python benchmarks/bench_jax_mlp.py [--quick] [--steps N] [--reps R] [--wa
                                           [--out DIR]
        python benchmarks/bench_jax_mlp.py --readme-only   # README.md's table from results/jax_mlp.json, runs nothing
 
-The model follows /work/shared/peer-bench/jax_mlp_bench.py; see benchmarks/README.md. JAX is a peer, not a
+The model follows the peers' JAX MLP benchmark; see benchmarks/README.md. JAX is a peer, not a
 dependency of spmd: without it (`pip install jax`) the JAX columns are skipped with a message.
 """
 

@@ -4,7 +4,7 @@ vs torch DTensor tensor parallel at world size 1, in one process.
 usage: python benchmarks/bench_mlp.py [--quick] [--steps N] [--reps R] [--configs D,H,L,B ...] [--out DIR]
        python benchmarks/bench_mlp.py --readme-only   # README.md's table from results/mlp.json, runs nothing
 
-The model, data and optimisers follow /work/shared/peer-bench/bench_mlp.py; see benchmarks/README.md.
+The model, data and optimisers follow the peers' MLP benchmark; see benchmarks/README.md.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 usage: python benchmarks/bench_ops.py [--quick] [--iters N] [--reps R] [--n 64] [--no-profile] [--out DIR]
        python benchmarks/bench_ops.py --readme-only   # README.md's table from results/ops.json, runs nothing
 
-Cases follow /work/shared/peer-bench/bench_ops.py (64x64 fp32, torch.set_num_threads(1)); see benchmarks/README.md.
+Cases follow the peers' per-op benchmark (64x64 fp32, torch.set_num_threads(1)); see benchmarks/README.md.
 """
 
 from __future__ import annotations
