@@ -68,7 +68,9 @@ class DTensor(torch.Tensor):
     # -- what a user sees ----------------------------------------------------------------------------------------
     def __repr__(self, *, tensor_contents=None) -> str:
         layout = self._layout
-        if layout.is_fully_replicated():
+        if type(self._local) is not torch.Tensor:  # fake or traced components (torch.compile logs them): no values
+            value = f"<{type(self._local).__name__}>"
+        elif layout.is_fully_replicated():
             value = _format(self._local[0])
         else:
             names = [short_device_name(d) for d in layout.mesh.local_devices()]
