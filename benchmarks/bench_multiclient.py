@@ -75,7 +75,7 @@ def _relayout_cases(n: int, rank: int, mesh, dmesh) -> dict:
     from torch.distributed.tensor import DTensor as TDT, Partial, Replicate, Shard
     import spmd
     from spmd import UNSHARDED as U, Layout
-    from spmd.redistribute import plan_on, run
+    from spmd.engine.planner import plan_on, run
     g = torch.Generator().manual_seed(0)
     value = torch.randn(n, n, generator=g)
     half = value.chunk(2, 0)[rank].contiguous()
@@ -315,7 +315,7 @@ def report(data: dict) -> str:
                   "of the full summand for both pending-sum cases, since gloo has no reduce-scatter and spmd "
                   "all-reduces then slices). torch DT = `DTensor.redistribute` at world size 2. spmd S0→R and S0→S1 "
                   "are `spmd.relayout`; the pending-sum cases run spmd's relayout engine "
-                  "(`spmd.redistribute.run`) on the stacked components, since a pending sum is not a public "
+                  "(`spmd.engine.planner.run`) on the stacked components, since a pending sum is not a public "
                   "layout.", ""]
         rows = []
         for n, r in data["relayout"].items():

@@ -59,7 +59,7 @@ class SpmdSide:
         self.comps = list(spmd.unpack(self.aS0))  # plain components, for pack
         # a pending (partial) sum over 'x', resolved by the in-process all-reduce the dispatcher inserts after
         # a contraction over a sharded axis; spmd has no public Partial layout, so this times the collective
-        from spmd import redistribute
+        from spmd.engine import planner as redistribute
         self._redistribute = redistribute
         self.partial = torch.randn((ndev,) + tuple(A.shape))
         self.ar_steps = redistribute.plan((None, None), (None, None), ("x",))
@@ -224,10 +224,10 @@ class _Null(torch.Tensor):
 def breakdown(side: SpmdSide, iters: int, reps: int) -> dict[str, dict]:
     """Times the pieces of spmd's cache-hit path separately, for add and mm S0@R on a 1-device mesh.
 
-    Reads spmd.dispatch's private cache and `_execute`; the dispatcher is being optimised, so every piece that
+    Reads spmd.engine.dispatch's private cache and `_execute`; the dispatcher is being optimised, so every piece that
     no longer exists is reported as an error instead of failing the run. The cache key is found by diffing the
     cache around a first call on operands of a fresh mesh (a mesh name no other case uses)."""
-    from spmd import dispatch as D
+    from spmd.engine import dispatch as D
     from spmd.dtensor import DTensor
     aten = torch.ops.aten
     mesh = spmd.create_mesh([("x", 1)], mesh_name="breakdown")
@@ -253,7 +253,7 @@ def breakdown(side: SpmdSide, iters: int, reps: int) -> dict[str, dict]:
             "whole op: torch.add / torch.mm on DTensors": lambda: torch_fn(*args),
             "  floor: empty __torch_dispatch__ (a subclass returning a prebuilt tensor)":
                 lambda: torch_fn(null_a, null_a),
-            "  spmd.dispatch.dispatch(func, args, {}) called directly": lambda: D.dispatch(func, args, kw),
+            "  spmd.engine.dispatch.dispatch(func, args, {}) called directly": lambda: D.dispatch(func, args, kw),
             "    cache lookup (dict.get with the prebuilt key)": lambda: cache.get(key),
         }
         if plan is not None:
@@ -273,7 +273,7 @@ def breakdown(side: SpmdSide, iters: int, reps: int) -> dict[str, dict]:
         if plan is None:
             res["    _execute(plan, ...) (kernel + wrap)"] = {
                 "error": f"could not find the cache entry (new keys: {len(new)})"}
-        d, lk, ex = (med(res, k) for k in ("  spmd.dispatch.dispatch(func, args, {}) called directly",
+        d, lk, ex = (med(res, k) for k in ("  spmd.engine.dispatch.dispatch(func, args, {}) called directly",
                                             "    cache lookup (dict.get with the prebuilt key)",
                                             "    _execute(plan, ...) (kernel + wrap)"))
         if None not in (d, lk, ex):
@@ -437,7 +437,7 @@ def main(argv=None) -> dict:
         "## Relayout / redistribute", "",
         "raw k = the same data movement by hand on plain tensors for k devices: `torch.chunk(A, k)` (R→S0), "
         "`torch.cat(k chunks)` (S0→R), `cat(...).chunk(k, 1)` (S0→S1), `stack(k partials).sum(0)` (all-reduce). "
-        "spmd has no public Partial layout, so the all-reduce row times `spmd.redistribute.run` with the pending-sum "
+        "spmd has no public Partial layout, so the all-reduce row times `spmd.engine.planner.run` with the pending-sum "
         "plan the dispatcher uses after a sharded contraction.", "", rel_md, "",
         "## Where an spmd op's time goes (1-device mesh, cache hit)", "",
         "Each piece timed on its own (same medians); indented rows are parts of the row above. *Derived* rows "

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from spmd import redistribute
+from spmd.engine import planner
 from spmd.collectives import backend_for
 from spmd.dtensor import DTensor, make
 from spmd.errors import LayoutError
@@ -54,8 +54,8 @@ class Unpack(torch.autograd.Function):
         local = torch.stack([torch.zeros_like(ref) if g is None else g for g in grads])
         layout = ctx.layout
         replicas = tuple(d for d in layout.mesh.dim_names if d not in layout.axes)
-        steps = redistribute.plan_on(layout.mesh, layout.axes, layout.axes, replicas)
-        return make(redistribute.run(local, layout.mesh, steps), layout)
+        steps = planner.plan_on(layout.mesh, layout.axes, layout.axes, replicas)
+        return make(planner.run(local, layout.mesh, steps), layout)
 
 
 def _first_replicas(layout: Layout) -> list[bool]:
@@ -69,8 +69,8 @@ class _Relayout(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor: DTensor, layout: Layout):
         ctx.source = tensor._layout
-        steps = redistribute.plan_on(layout.mesh, tensor._layout.axes, layout.axes)
-        return make(redistribute.run(tensor._local, layout.mesh, steps), layout)
+        steps = planner.plan_on(layout.mesh, tensor._layout.axes, layout.axes)
+        return make(planner.run(tensor._local, layout.mesh, steps), layout)
 
     @staticmethod
     def backward(ctx, grad):
@@ -82,9 +82,9 @@ def _distribute(value: torch.Tensor, layout: Layout) -> DTensor:
     mesh = layout.mesh
     value = value.detach().to(mesh.torch_device)
     replicated = value.unsqueeze(0).expand((mesh.num_local_devices(),) + tuple(value.shape))
-    steps = redistribute.plan_on(mesh, (None,) * layout.rank, layout.axes)
+    steps = planner.plan_on(mesh, (None,) * layout.rank, layout.axes)
     # collectives return fresh memory; without steps, copy so the DTensor never aliases `value`
-    local = redistribute.run(replicated, mesh, steps) if steps else replicated.clone(
+    local = planner.run(replicated, mesh, steps) if steps else replicated.clone(
         memory_format=torch.contiguous_format)
     return make(local, layout)
 

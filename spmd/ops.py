@@ -2,7 +2,7 @@
 
 `spmd::relayout(Tensor x, str layout)` is `relayout` within a mesh. Under `torch.compile` Dynamo puts it in the
 graph as an opaque op with a string argument (the layout in TF's format); AOTAutograd then dispatches it to the
-DTensor, whose rule (rules/tensor_ops.py) plans the collectives. Its gradient is the relayout back.
+DTensor, whose rule (engine/rules/tensor_ops.py) plans the collectives. Its gradient is the relayout back.
 """
 
 from __future__ import annotations

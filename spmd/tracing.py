@@ -57,7 +57,7 @@ def _skip_spmd_frames() -> None:
 
 
 # the modules that run inside `__torch_dispatch__` (the user-facing API, e.g. relayout, is inlined by Dynamo)
-_RUNTIME = ("spmd.dispatch", "spmd.redistribute", "spmd.collectives", "spmd.rules", "spmd.foreach", "spmd.dtensor",
+_RUNTIME = ("spmd.engine", "spmd.collectives", "spmd.dtensor",
             "spmd.api", "spmd.ops")
 
 

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import spmd
 from spmd import UNSHARDED, Layout, LayoutMap
 from spmd import random as srandom
-from spmd import redistribute
+from spmd.engine import planner
 
 U = UNSHARDED
 MODELS_DOC = pathlib.Path(__file__).resolve().parent.parent / "docs" / "models.md"
@@ -234,7 +234,7 @@ def test_meta_model_never_materialises_a_full_sharded_parameter(monkeypatch):
             return out
         return wrapped
 
-    monkeypatch.setattr(redistribute, "run", spy(redistribute.run))  # any relayout: (L, *component)
+    monkeypatch.setattr(planner, "run", spy(planner.run))  # any relayout: (L, *component)
     for name in ("empty", "zeros", "ones", "full", "rand", "randn", "empty_like", "zeros_like", "tensor"):
         monkeypatch.setattr(torch, name, spy(getattr(torch, name)))  # anything nn.py or nn.init would allocate
     monkeypatch.setattr(spmd.api._CopyToMesh, "apply", lambda *a: pytest.fail("a meta model was copied"))

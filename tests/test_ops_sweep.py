@@ -451,7 +451,7 @@ TF_LAYOUTS = [  # (name, op, [(shape, specs) per input], expected output specs)
     ("embedding [U,y] idx[x]", lambda t, i: F.embedding(i, t), [((8, 4), "Uy"), ((4,), "x")], "xy"),
     ("embedding [x,y] idx[U]", lambda t, i: F.embedding(i, t), [((8, 4), "xy"), ((4,), "U")], "Uy"),
     # Where spmd deliberately differs from TF (values are the same; see each note):
-    # TF keeps [x,y] (an inferred all-reduce on the softmax axis); so does spmd (rules/vocab_parallel.py).
+    # TF keeps [x,y] (an inferred all-reduce on the softmax axis); so does spmd (engine/rules/vocab_parallel.py).
     ("softmax [x,y] (TF: [x,y])", lambda a: a.softmax(-1), [((4, 4), "xy")], "xy"),
     # TF merges the concat axis too (x then claims two axes and is dropped); spmd merges the other axes only.
     ("cat [U,x,y]+[x,U,U] (TF: [U,U,y])", lambda a, b: torch.cat([a, b], 1),

@@ -10,12 +10,13 @@ import warnings
 
 import torch
 
-from spmd import explain, foreach, redistribute
+from spmd import explain
+from spmd.engine import foreach, planner
 from spmd.dtensor import DTensor
 from spmd.errors import MeshMismatchError, MixedTensorError, UnsupportedOpError
 from spmd.layout import Layout
-from spmd.rules import lookup
-from spmd.rules.common import OpCall, TensorSpec
+from spmd.engine.rules import lookup
+from spmd.engine.rules.common import OpCall, TensorSpec
 
 _CACHE: dict = {}
 _CACHE_LIMIT = 100_000
@@ -102,7 +103,7 @@ _FLOAT_BLIND: dict = {}
 
 
 def _float_blind(func) -> bool:
-    from spmd.rules.pointwise import like_rule, pointwise_rule
+    from spmd.engine.rules.pointwise import like_rule, pointwise_rule
     blind = _FLOAT_BLIND[id(func)] = foreach.is_foreach(func) or lookup(func) in (pointwise_rule, like_rule)
     return blind
 
@@ -132,7 +133,7 @@ def _execute(plan: _Plan, func, args, kwargs, tensors):
         return foreach.run(func, args, kwargs)
     locals_ = [t._local for t in tensors]
     for i, steps in plan.in_steps:
-        locals_[i] = redistribute.run(locals_[i], plan.mesh, steps)
+        locals_[i] = planner.run(locals_[i], plan.mesh, steps)
     if decision.inplace and tensors[0]._copied_view:
         target = tensors[0]
         raise UnsupportedOpError(
@@ -176,7 +177,7 @@ def _wrap(plan: _Plan, out, locals_, args, kwargs):
     if decision.single:
         out = (out,)
     if plan.out_steps:
-        out = [redistribute.run(o, plan.mesh, s) if s else o for o, s in zip(out, plan.out_steps)]
+        out = [planner.run(o, plan.mesh, s) if s else o for o, s in zip(out, plan.out_steps)]
     if decision.epilogue is not None:
         out = decision.epilogue(out, locals_, args, kwargs)
     shapes = decision.out_shapes
@@ -224,13 +225,13 @@ def _plan_from_decision(decision, call, tensors) -> _Plan:
         if want is not None and want != have:
             if decision.inplace and i == 0:
                 raise UnsupportedOpError(f"{call.describe()}: in-place op would change the layout of its target")
-            steps = redistribute.plan_on(mesh, have, tuple(want))
+            steps = planner.plan_on(mesh, have, tuple(want))
             if steps:
                 in_steps.append((i, steps))
     out_layouts = [None if axes is None else Layout.from_axes(axes, mesh) for axes in decision.outputs]
     out_steps = None
     if decision.reduce and any(decision.reduce):
-        out_steps = [redistribute.plan_on(mesh, axes, axes, tuple(red), decision.reduce_op) if red else ()
+        out_steps = [planner.plan_on(mesh, axes, axes, tuple(red), decision.reduce_op) if red else ()
                      for axes, red in zip(decision.outputs, decision.reduce)]
         out_steps = out_steps if any(out_steps) else None
     is_view = any(r.alias_info is not None for r in call.func._schema.returns)
@@ -242,7 +243,7 @@ _WARNED: set = set()
 
 def _fallback_plan(call: OpCall, tensors) -> _Plan:
     """An op without a rule runs once on replicated inputs, if that is safe; else a named error."""
-    from spmd.rules.common import Decision, generic_kernel, replace_tensors, unsupported
+    from spmd.engine.rules.common import Decision, generic_kernel, replace_tensors, unsupported
     func = call.func
     schema = func._schema
     if schema.is_mutable or torch.Tag.nondeterministic_seeded in func.tags:

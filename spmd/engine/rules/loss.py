@@ -10,9 +10,9 @@ import math
 
 import torch
 
-from spmd.rules import register
-from spmd.rules.common import Decision, OpCall, unsupported
-from spmd.rules.pointwise import aligned_inputs, broadcast_shape, merge_axes
+from spmd.engine.rules import register
+from spmd.engine.rules.common import Decision, OpCall, unsupported
+from spmd.engine.rules.pointwise import aligned_inputs, broadcast_shape, merge_axes
 
 aten = torch.ops.aten
 _NONE, _MEAN = 0, 1

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from spmd.rules import register
-from spmd.rules.common import Decision, OpCall, constant, shard_starts, unsupported
-from spmd.rules.reduction import arg
+from spmd.engine.rules import register
+from spmd.engine.rules.common import Decision, OpCall, constant, shard_starts, unsupported
+from spmd.engine.rules.reduction import arg
 
 aten = torch.ops.aten
 

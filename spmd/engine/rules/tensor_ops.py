@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from spmd import redistribute
+from spmd.engine import planner
 from spmd.ops import parse_layout
-from spmd.rules import register
-from spmd.rules.common import Decision, OpCall, unsupported
+from spmd.engine.rules import register
+from spmd.engine.rules.common import Decision, OpCall, unsupported
 
 aten = torch.ops.aten
 
@@ -52,5 +52,5 @@ def relayout_rule(call: OpCall) -> Decision:
         raise unsupported(call, f"the target layout is on another mesh ({layout.mesh!r}); move a tensor between "
                                 "meshes outside the compiled function")
     target = layout.axes
-    moved = redistribute.plan_on(call.mesh, spec.axes, target)
+    moved = planner.plan_on(call.mesh, spec.axes, target)
     return Decision((target,), (target,), (lambda l, a, k: l[0]) if moved else (lambda l, a, k: l[0].clone()))

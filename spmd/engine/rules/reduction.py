@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from spmd.rules import register
-from spmd.rules.common import Decision, OpCall, generic_kernel, norm_dims
+from spmd.engine.rules import register
+from spmd.engine.rules.common import Decision, OpCall, generic_kernel, norm_dims
 
 aten = torch.ops.aten
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from spmd.rules import register
-from spmd.rules.common import Decision, OpCall, TensorSpec, generic_kernel, unsupported
+from spmd.engine.rules import register
+from spmd.engine.rules.common import Decision, OpCall, TensorSpec, generic_kernel, unsupported
 
 aten = torch.ops.aten
 

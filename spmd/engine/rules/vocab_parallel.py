@@ -12,10 +12,10 @@ import torch
 
 from spmd import explain
 from spmd.collectives import backend_for
-from spmd.rules import register
-from spmd.rules.common import Decision, OpCall, shard_starts
-from spmd.rules.nn import nll_loss_backward_rule, nll_loss_rule
-from spmd.rules.reduction import scan_rule, softmax_backward_rule
+from spmd.engine.rules import register
+from spmd.engine.rules.common import Decision, OpCall, shard_starts
+from spmd.engine.rules.nn import nll_loss_backward_rule, nll_loss_rule
+from spmd.engine.rules.reduction import scan_rule, softmax_backward_rule
 
 aten = torch.ops.aten
 _NONE, _MEAN = 0, 1

@@ -28,7 +28,7 @@ def lookup(func):
     """The rule for `func`, or None (the dispatcher then tries a replicated fallback or raises)."""
     rule = _RULES.get(func)
     if rule is None and (torch.Tag.pointwise in func.tags or _pointwise_family(func)):
-        from spmd.rules.pointwise import pointwise_rule
+        from spmd.engine.rules.pointwise import pointwise_rule
         rule = _RULES[func] = pointwise_rule
     return rule
 
@@ -52,5 +52,5 @@ def registered_ops() -> list:
     return sorted(_RULES, key=str)
 
 
-from spmd.rules import contraction, loss, nn, pointwise, random_ops, reduction, tensor_ops, view  # noqa: E402,F401
-from spmd.rules import vocab_parallel  # noqa: E402,F401  (after nn/reduction: overrides their rules)
+from spmd.engine.rules import contraction, loss, nn, pointwise, random_ops, reduction, tensor_ops, view  # noqa: E402,F401
+from spmd.engine.rules import vocab_parallel  # noqa: E402,F401  (after nn/reduction: overrides their rules)

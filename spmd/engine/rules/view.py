@@ -12,9 +12,9 @@ import math
 
 import torch
 
-from spmd.rules import _RULES, register
-from spmd.rules.common import Decision, OpCall, generic_kernel, norm_dim, unsupported
-from spmd.rules.reduction import arg, arg_index
+from spmd.engine.rules import _RULES, register
+from spmd.engine.rules.common import Decision, OpCall, generic_kernel, norm_dim, unsupported
+from spmd.engine.rules.reduction import arg, arg_index
 
 aten = torch.ops.aten
 
