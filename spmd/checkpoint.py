@@ -23,7 +23,6 @@ written every shard and the metadata, so an interrupted save never leaves a `pat
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import shutil
 import uuid
@@ -33,61 +32,14 @@ from typing import Mapping, MutableMapping
 
 import torch
 
+from spmd.clients import collective_timeout
 from spmd.dtensor import DTensor
-from spmd.layout import Layout
+from spmd.errors import CollectiveError
+from spmd.shards import Block, block_at, create_write_items, local_blocks  # Block, local_blocks: public here too
 
 __all__ = ["save", "load", "is_checkpoint", "SavePlanner", "LoadPlanner", "Block", "local_blocks"]
 
 _METADATA = ".metadata"  # the file DCP's FileSystemWriter writes last
-
-
-# -- which shards are this client's -------------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class Block:
-    """One distinct shard of a DTensor held by this client's devices.
-
-    `offsets`/`sizes`: the block in global coordinates. `positions`: the positions in `t._local` (i.e. in
-    `mesh.local_device_ids()` order) of the local devices holding it, the first one being where it is read from
-    and written from. `writer`: True when one of them holds the block's first replica (coordinate 0 on every mesh
-    dimension the layout does not shard), that device being `positions[0]`; exactly one client writes each block.
-    """
-    offsets: tuple[int, ...]
-    sizes: tuple[int, ...]
-    positions: tuple[int, ...]
-    writer: bool
-
-
-def local_blocks(layout: Layout, shape) -> list[Block]:
-    """The distinct shards that this client's devices hold of a tensor of global `shape` with `layout`
-    (`mesh.local_device_ids()` decides which; a block's replicas on other clients are not listed).
-
-    >>> mesh = create_mesh([("x", 2), ("y", 2)])
-    >>> [(b.offsets, b.sizes, b.positions, b.writer) for b in local_blocks(Layout(["x", UNSHARDED], mesh), (4, 6))]
-    [((0, 0), (2, 6), (0, 1), True), ((2, 0), (2, 6), (2, 3), True)]
-    """
-    return list(_local_blocks(layout, tuple(shape)))
-
-
-@functools.lru_cache(maxsize=4096)
-def _local_blocks(layout: Layout, shape: tuple[int, ...]) -> tuple[Block, ...]:
-    mesh = layout.mesh
-    local_shape = layout.local_shape_from_global_shape(tuple(shape))
-    base = mesh.min_global_device_id()
-    found: dict[tuple[int, ...], list] = {}  # offsets -> [first-replica position or None, other positions]
-    for position, device in enumerate(mesh.local_device_ids()):
-        location = mesh.device_location(device - base)
-        index = [0 if axis is None else location[mesh.axis_index(axis)] for axis in layout.axes]
-        offsets = tuple(i * s for i, s in zip(index, local_shape))
-        entry = found.setdefault(offsets, [None, []])
-        if entry[0] is None and layout.is_first_replica(location):
-            entry[0] = position
-        else:
-            entry[1].append(position)
-    blocks = []
-    for offsets, (first, others) in found.items():
-        positions = ((first,) if first is not None else ()) + tuple(sorted(others))
-        blocks.append(Block(offsets, tuple(local_shape), positions, first is not None))
-    return tuple(blocks)
 
 
 # -- the DCP planners -----------------------------------------------------------------------------------------------
@@ -104,18 +56,9 @@ def _planner_classes():
     from torch.distributed.checkpoint.default_planner import (DefaultLoadPlanner, DefaultSavePlanner,
                                                               create_default_local_load_plan,
                                                               create_default_local_save_plan)
-    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex, TensorProperties)
-    from torch.distributed.checkpoint.planner import (LoadPlan, SavePlan, TensorWriteData, WriteItem,
-                                                      WriteItemType)
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+    from torch.distributed.checkpoint.planner import LoadPlan, SavePlan
     from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
-
-    def block_at(tensor: DTensor, offset) -> Block:
-        offset = tuple(offset) if offset is not None else (0,) * tensor.dim()
-        for block in _local_blocks(tensor._layout, tuple(tensor.shape)):
-            if block.offsets == offset:
-                return block
-        raise ValueError(f"this client holds no shard at offset {list(offset)} of a DTensor of shape "
-                         f"{list(tensor.shape)} with layout {tensor._layout.sharding_specs}")
 
     class SavePlanner(DefaultSavePlanner):
         """DCP's default save planner, plus: a DTensor is written as its distinct shards, each by one client
@@ -126,25 +69,12 @@ def _planner_classes():
             items = list(create_default_local_save_plan(others, self.is_coordinator).items)
             for fqn, value in self.state_dict.items():
                 if isinstance(value, DTensor):
-                    items += self._write_items(fqn, value)
+                    items += create_write_items(value, fqn, value)
             plan = SavePlan(items)
             if self.flatten_state_dict:
                 plan = dataclasses.replace(plan, planner_data=self.mappings)
             self.plan = plan
             return plan
-
-        @staticmethod
-        def _write_items(fqn: str, tensor: DTensor) -> list:
-            properties = TensorProperties(dtype=tensor.dtype)
-            items = []
-            for block in local_blocks(tensor._layout, tensor.shape):
-                if not block.writer:
-                    continue
-                offsets, sizes = torch.Size(block.offsets), torch.Size(block.sizes)
-                items.append(WriteItem(index=MetadataIndex(fqn, offsets), type=WriteItemType.SHARD,
-                                       tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets, sizes),
-                                                                   properties=properties, size=tensor.shape)))
-            return items
 
         def lookup_object(self, index):
             value = self.state_dict.get(index.fqn)
@@ -218,42 +148,6 @@ def _planner_classes():
 
 
 _PLANNERS = None
-
-
-# -- DCP's tensor-subclass protocol, for torch.distributed.checkpoint.save/load called without spmd's planners ----
-# (DCP calls these on any tensor that has them, as on torch's own DTensor; spmd's planners do not need them.) The
-# protocol's load path has no hook to copy a block to its replicas, so here every local device is a chunk of its
-# own and reads its shard itself.
-def _protocol_write_items(self: DTensor, fqn: str, obj) -> list:
-    _planner_classes()
-    return _PLANNERS[0]._write_items(fqn, self)
-
-
-def _protocol_chunk_list(self: DTensor) -> list:
-    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
-    chunks = [None] * self._local.shape[0]
-    for block in _local_blocks(self._layout, tuple(self.shape)):
-        for position in block.positions:
-            chunks[position] = ChunkStorageMetadata(torch.Size(block.offsets), torch.Size(block.sizes))
-    return chunks
-
-
-def _protocol_tensor_shard(self: DTensor, index) -> torch.Tensor:
-    offset = tuple(index.offset) if index.offset is not None else (0,) * self.dim()
-    blocks = _local_blocks(self._layout, tuple(self.shape))
-    # a read names the local chunk (= position) in `index.index`; a write's hint is a global chunk number, but any
-    # local replica of the offset holds the same values
-    for block in blocks:
-        if block.offsets == offset:
-            position = index.index if index.index in block.positions else block.positions[0]
-            return self._local[position]
-    raise ValueError(f"{index.fqn!r}: this client holds no shard at offset {list(offset)} of a DTensor of shape "
-                     f"{list(self.shape)} with layout {self._layout.sharding_specs}")
-
-
-DTensor.__create_write_items__ = _protocol_write_items
-DTensor.__create_chunk_list__ = _protocol_chunk_list
-DTensor.__get_tensor_shard__ = _protocol_tensor_shard
 
 
 def __getattr__(name: str):
@@ -421,8 +315,6 @@ class _Clients:
 
     def lost(self, what: str, path, error: BaseException):
         """The error to raise when the other clients could not be reached during `what`."""
-        from spmd.errors import CollectiveError
-        from spmd.runtime import collective_timeout
         return CollectiveError(
             f"client {self.rank} of {self.size}: spmd.checkpoint.{what} of {str(path)!r} failed: the other clients "
             f"could not be reached (one died or stalled; the collective timeout is "

@@ -17,6 +17,7 @@ from rich.table import Table
 
 import spmd
 from spmd import UNSHARDED, Layout
+from spmd.demo.train import DemoArgs, parse_mesh, run
 from spmd.mesh import short_device_name
 
 
@@ -96,7 +97,6 @@ def _train(console: Console, steps: int) -> None:
 
 
 def demo(args, argv: list[str]) -> int:
-    from spmd.demo.train import DemoArgs, parse_mesh, run
     in_job = int(os.environ.get("WORLD_SIZE", "1") or 1) > 1 or bool(os.environ.get("DTENSOR_JOBS"))
     if args.clients > 1 and not in_job:
         return _launch_clients(args.clients, argv)
@@ -148,7 +148,6 @@ def _launch_clients(n: int, argv: list[str]) -> int:
 
 
 def main(argv=None) -> int:
-    from spmd.demo.train import DemoArgs
     defaults = DemoArgs()
     parser = argparse.ArgumentParser(prog="spmd", description=__doc__)
     parser.add_argument("--version", action="version", version=f"spmd {spmd.__version__}")

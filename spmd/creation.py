@@ -7,16 +7,26 @@ for torch's factories (`torch.ones`, `torch.rand`, ...) and for spmd's functions
 from __future__ import annotations
 
 import inspect
+import threading
 from typing import Any, Callable, Sequence
 
 import torch
 from torch.overrides import TorchFunctionMode
 
 from spmd import random as srandom
+from spmd.api import relayout
 from spmd.dtensor import DTensor, make
 from spmd.errors import LayoutError
 from spmd.layout import Layout
-from spmd.scope import get_default_mesh
+from spmd.mesh import Mesh
+
+_SCOPES = threading.local()  # `.meshes`: the meshes of this thread's open `default_mesh` scopes, innermost last
+
+
+def get_default_mesh() -> Mesh | None:
+    """The innermost `default_mesh` scope's mesh, or None outside every scope."""
+    meshes = getattr(_SCOPES, "meshes", None)
+    return meshes[-1] if meshes else None
 
 
 def _shape(args, kwargs) -> tuple[int, ...]:
@@ -136,11 +146,26 @@ TORCH_FACTORIES: dict = {
 
 class FactoryMode(TorchFunctionMode):
     """Inside `call_with_layout`/`default_mesh`: torch factories create DTensors (`layout` when the rank matches,
-    else replicated on `mesh`)."""
+    else replicated on `mesh`). Without a layout it is a `default_mesh` scope: while it is active, `mesh` is also
+    what `get_default_mesh()` returns, so spmd's own factories use it too."""
 
     def __init__(self, layout: Layout | None, mesh):
         super().__init__()
         self.layout, self.mesh = layout, mesh
+
+    def __enter__(self):
+        if self.layout is None:
+            if not hasattr(_SCOPES, "meshes"):
+                _SCOPES.meshes = []
+            _SCOPES.meshes.append(self.mesh)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            if self.layout is None:
+                _SCOPES.meshes.pop()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
@@ -183,7 +208,6 @@ def call_with_layout(fn: Callable[..., Any], layout: Layout | None, *args, **kwa
             f"call_with_layout({getattr(fn, '__name__', fn)!r}) returned a {type(out).__name__}, not a DTensor: "
             "it creates its tensor with something other than torch's factories. Use spmd.copy_to_mesh(fn(...), "
             "layout) (which materialises the value first).")
-    from spmd.api import relayout
     return relayout(out, layout)
 
 

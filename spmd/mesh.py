@@ -14,6 +14,7 @@ from typing import Iterable, Sequence
 import numpy as np
 import torch
 
+from spmd.clients import local_cuda_index
 from spmd.errors import LayoutError
 
 MeshDimension = collections.namedtuple("MeshDimension", ["name", "size"])
@@ -300,7 +301,6 @@ def _to_torch_device(device: str) -> torch.device:
     if kind == "CPU":
         return torch.device("cpu")
     if kind == "GPU":
-        from spmd.runtime import local_cuda_index
         index_in_job = local_cuda_index()
         if index_in_job is not None:  # multi-client: one GPU per process, cuda:LOCAL_RANK
             return torch.device("cuda", index_in_job)

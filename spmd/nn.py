@@ -17,8 +17,9 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import torch
 from torch import nn
 
-from spmd.api import copy_to_mesh
+from spmd.api import copy_to_mesh, relayout
 from spmd.creation import empty
+from spmd.data import DTensorDataset
 from spmd.dtensor import DTensor
 from spmd.errors import IndivisibleError, LayoutError
 from spmd.layout import Layout
@@ -353,7 +354,6 @@ def _apply_init(init_fn, name: str, value, places) -> None:
         if not isinstance(out, DTensor):
             out = copy_to_mesh(out, value._layout)
         elif out._layout != value._layout:
-            from spmd.api import relayout
             out = relayout(out, value._layout)
         value.copy_(out.to(value.dtype))
     else:
@@ -421,7 +421,6 @@ class Strategy:
         map-style dataset is needed for the default; pass `layouts=` for an iterable). Other keyword arguments
         (`dataset_already_batched`, `prefetch`) go to `DTensorDataset`.
         """
-        from spmd.data import DTensorDataset
         if layouts is None:
             if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
                 raise TypeError(f"distribute_dataset derives the layouts from dataset[0], but a "

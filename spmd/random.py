@@ -11,6 +11,7 @@ from typing import Sequence
 
 import torch
 
+from spmd.dtensor import make
 from spmd.layout import Layout
 
 _GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as a signed 64-bit integer
@@ -93,7 +94,6 @@ def truncated01(index: torch.Tensor, seed, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _generate(shape, layout: Layout | None, device, fn):
-    from spmd.dtensor import make
     shape = tuple(int(s) for s in shape)
     if layout is None:
         index = torch.arange(math.prod(shape), dtype=torch.int64, device=device).view(shape)

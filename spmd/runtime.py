@@ -20,31 +20,20 @@ import datetime
 import math
 import os
 import sys
-from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 import torch
 
+from spmd import clients
+from spmd.api import pack
+# the client state lives in spmd.clients, below the mesh and the collectives that read it; its readers stay public here
+from spmd.clients import DEFAULT_TIMEOUT_S, collective_timeout, is_initialized, local_cuda_index  # noqa: F401
+from spmd.errors import CollectiveError
+from spmd.layout import Layout
 from spmd.mesh import Mesh, _device_type, canonical_device, short_device_name
 
-DEFAULT_TIMEOUT_S = 300.0
 _TYPES = ("CPU", "GPU", "TPU")
-
-
-@dataclass
-class _State:
-    device_type: str
-    client_id: int
-    num_clients: int
-    num_local: int  # devices of `device_type` per client
-    local_rank: int
-    timeout: datetime.timedelta
-    backend: str | None  # 'gloo' / 'nccl'; None in single-client mode
-    control: object = None  # a gloo process group for control messages (mesh agreement, barriers)
-
-
-_STATE: _State | None = None
 
 
 # -- config (TF's config.py): read the environment, never initialise anything ------------------------------------
@@ -62,8 +51,9 @@ def jobs() -> list[str]:
 
 def num_clients() -> int:
     """The number of clients (processes) of the job: 1 in single-client mode."""
-    if _STATE is not None:
-        return _STATE.num_clients
+    state = clients.current()
+    if state is not None:
+        return state.num_clients
     if jobs():
         return len(jobs())
     return int(os.environ.get("WORLD_SIZE", "1") or 1)
@@ -71,8 +61,9 @@ def num_clients() -> int:
 
 def client_id() -> int:
     """This client's index in `0..num_clients()-1` (`DTENSOR_CLIENT_ID`, else torchrun's `RANK`, else 0)."""
-    if _STATE is not None:
-        return _STATE.client_id
+    state = clients.current()
+    if state is not None:
+        return state.client_id
     if "DTENSOR_CLIENT_ID" in os.environ or jobs():
         value = int(os.environ.get("DTENSOR_CLIENT_ID", "0") or 0)
     else:
@@ -118,8 +109,9 @@ def num_local_devices(device_type: str) -> int:
     """Devices of `device_type` per client: the logical CPU devices (`num_logical_cpu_devices`, default 1),
     the visible GPUs (one per process in multi-client mode)."""
     t = _check_type(device_type)
-    if _STATE is not None and _STATE.device_type == t:
-        return _STATE.num_local
+    state = clients.current()
+    if state is not None and state.device_type == t:
+        return state.num_local
     if t == "GPU":
         return 1 if num_clients() > 1 and torch.cuda.device_count() else torch.cuda.device_count()
     return 1 if t == "CPU" else 0
@@ -141,17 +133,6 @@ _config_local_devices = local_devices
 
 
 # -- the accelerator system ----------------------------------------------------------------------------------------
-def is_initialized() -> bool:
-    return _STATE is not None
-
-
-def collective_timeout() -> datetime.timedelta:
-    """How long a collective waits for the other clients (`SPMD_COLLECTIVE_TIMEOUT` seconds, default 300)."""
-    if _STATE is not None:
-        return _STATE.timeout
-    return datetime.timedelta(seconds=float(os.environ.get("SPMD_COLLECTIVE_TIMEOUT", DEFAULT_TIMEOUT_S)))
-
-
 def initialize_accelerator_system(device_type: str | None = None, enable_coordination_service: bool = True,
                                   num_logical_cpu_devices: int | None = None, experimental_reset_context: bool = False,
                                   experimental_enable_megcore: bool = False, *,
@@ -172,8 +153,7 @@ def initialize_accelerator_system(device_type: str | None = None, enable_coordin
     Raises:
       ValueError: already initialised, an unknown device type, a bad client id, or an invalid device count.
     """
-    global _STATE
-    if _STATE is not None:
+    if clients.is_initialized():
         raise ValueError("Accelerator system has already been initialized. Call "
                          "tf.experimental.dtensor.shutdown_accelerator_system() first.")
     if device_type is not None and str(device_type).upper() not in _TYPES:
@@ -220,7 +200,7 @@ def initialize_accelerator_system(device_type: str | None = None, enable_coordin
         _EXIT_GROUP = dist.new_group(backend="gloo", timeout=min(timeout, datetime.timedelta(seconds=30)))
         _watch_for_crashes()
         atexit.register(_leave)
-    _STATE = _State(t, cid, n, num_local, local_rank, timeout, backend, control)
+    clients.set_current(clients._State(t, cid, n, num_local, local_rank, timeout, backend, control))
     return t
 
 
@@ -229,13 +209,13 @@ initialize_multi_client = initialize_accelerator_system
 
 def shutdown_accelerator_system() -> None:
     """Forgets the single-client configuration (multi-client shutdown is not supported, as in TF)."""
-    global _STATE
-    if _STATE is None:
+    state = clients.current()
+    if state is None:
         raise ValueError("Accelerator system is not initialized. Call "
                          "tf.experimental.dtensor.initialize_accelerator_system first.")
-    if _STATE.num_clients > 1:
+    if state.num_clients > 1:
         raise ValueError("Shutting down accelerator system under multi-client mode is not supported.")
-    _STATE = None
+    clients.set_current(None)
 
 
 _EXIT_GROUP = None
@@ -267,17 +247,11 @@ def _leave() -> None:
         pass
 
 
-def _state() -> _State:
-    if _STATE is None:
+def _state() -> clients._State:
+    state = clients.current()
+    if state is None:
         raise ValueError("Accelerators are uninitialized, please run dtensor.initialize_accelerator_system() first.")
-    return _STATE
-
-
-def local_cuda_index() -> int | None:
-    """The CUDA device of this process in multi-client GPU mode (`LOCAL_RANK`), else None."""
-    if _STATE is not None and _STATE.num_clients > 1 and _STATE.device_type == "GPU":
-        return _STATE.local_rank % max(torch.cuda.device_count(), 1)
-    return None
+    return state
 
 
 # -- multi-client meshes --------------------------------------------------------------------------------------------
@@ -338,7 +312,6 @@ def _agree(mesh: Mesh, device_type: str, per_client: int) -> None:
     try:
         dist.all_gather_object(everyone, mine, group=state.control)
     except RuntimeError as e:
-        from spmd.errors import CollectiveError
         raise CollectiveError(f"client {state.client_id} of {state.num_clients}: create_distributed_mesh({mine!r}) "
                               f"could not reach the other clients within {state.timeout.total_seconds():g}s: {e}") \
             from e
@@ -357,23 +330,21 @@ def barrier(mesh: Mesh, barrier_name: str | None = None, timeout_in_ms: int | No
       ValueError: the sum is not the mesh size.
       CollectiveError: a client did not arrive within `timeout_in_ms` (default: the collective timeout).
     """
-    from spmd.dtensor import pack
-    from spmd.layout import Layout
     ones = [torch.ones([1] * len(mesh.shape()), dtype=torch.int64)] * mesh.num_local_devices()
     total = int(pack(ones, Layout(mesh.dim_names, mesh)).sum().item())
     if total != mesh.size:
         raise ValueError(f"Global barrier produced wrong mesh size : {total} while mesh has actual size : "
                          f"{mesh.size}")
-    if _STATE is None or _STATE.num_clients == 1:
+    state = clients.current()
+    if state is None or state.num_clients == 1:
         return
     import torch.distributed as dist
-    timeout = datetime.timedelta(milliseconds=timeout_in_ms) if timeout_in_ms else _STATE.timeout
+    timeout = datetime.timedelta(milliseconds=timeout_in_ms) if timeout_in_ms else state.timeout
     name = barrier_name or "barrier"
     try:
-        dist.monitored_barrier(group=_STATE.control, timeout=timeout, wait_all_ranks=True)
+        dist.monitored_barrier(group=state.control, timeout=timeout, wait_all_ranks=True)
     except RuntimeError as e:
-        from spmd.errors import CollectiveError
-        raise CollectiveError(f"client {_STATE.client_id} of {_STATE.num_clients}: barrier {name!r} on mesh "
+        raise CollectiveError(f"client {state.client_id} of {state.num_clients}: barrier {name!r} on mesh "
                               f"{mesh.name or mesh.dim_names} failed within {timeout.total_seconds():g}s: {e}") from e
 
 

@@ -3,18 +3,12 @@
 from __future__ import annotations
 
 import contextlib
-import threading
 
+from spmd.creation import FactoryMode, get_default_mesh
 from spmd.errors import LayoutError
 from spmd.mesh import Mesh
 
-_STATE = threading.local()
-
-
-def get_default_mesh() -> Mesh | None:
-    """The innermost `default_mesh` scope's mesh, or None outside every scope."""
-    stack = getattr(_STATE, "stack", None)
-    return stack[-1] if stack else None
+__all__ = ["default_mesh", "get_default_mesh"]
 
 
 class default_mesh(contextlib.ContextDecorator):
@@ -36,21 +30,14 @@ class default_mesh(contextlib.ContextDecorator):
         if not isinstance(mesh, Mesh):
             raise LayoutError(f"Expect `mesh` to be `Mesh`, got {type(mesh)}")
         self.mesh = mesh
-        self._modes: list = []
+        self._modes: list = []  # one per entry: a decorated function may be re-entered
 
     def __enter__(self):
-        from spmd.creation import FactoryMode
-        if not hasattr(_STATE, "stack"):
-            _STATE.stack = []
-        _STATE.stack.append(self.mesh)
         mode = FactoryMode(None, self.mesh)
         mode.__enter__()
         self._modes.append(mode)
         return self.mesh
 
     def __exit__(self, *exc):
-        try:
-            self._modes.pop().__exit__(*exc)
-        finally:
-            _STATE.stack.pop()
+        self._modes.pop().__exit__(*exc)
         return False

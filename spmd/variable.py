@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from spmd.api import copy_to_mesh
 from spmd.dtensor import DTensor, keep_grad_layout
 from spmd.errors import LayoutError, MeshMismatchError
 from spmd.layout import Layout
@@ -34,7 +35,6 @@ class DVariable(DTensor):
 
     def __new__(cls, initial_value, layout: Layout | None = None, requires_grad: bool = True, name=None,
                 dtype=None):
-        from spmd.api import copy_to_mesh
         if callable(initial_value) and not isinstance(initial_value, torch.Tensor):
             initial_value = initial_value()
         if isinstance(initial_value, DTensor):

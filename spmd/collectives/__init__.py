@@ -7,6 +7,7 @@ this client's `L` local devices in `mesh.local_devices()` order. Tensor axes are
 """
 
 from spmd.collectives.base import Collectives
+from spmd.collectives.distributed import DistributedCollectives
 from spmd.collectives.local import InProcessCollectives
 
 _IN_PROCESS = InProcessCollectives()
@@ -28,7 +29,6 @@ def backend_for(mesh) -> Collectives:
                 f"{mesh!r} spans devices of other clients, but this process is not part of a multi-client job: "
                 "call spmd.initialize_accelerator_system() in every client (launched with torchrun, or with "
                 "DTENSOR_JOBS/DTENSOR_CLIENT_ID set) and create the mesh with spmd.create_distributed_mesh")
-        from spmd.collectives.distributed import DistributedCollectives
         _DISTRIBUTED = DistributedCollectives()
     return _DISTRIBUTED
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from spmd.clients import collective_timeout
 from spmd.collectives.base import Collectives
 from spmd.errors import CollectiveError
 
@@ -145,7 +146,6 @@ def _group(ranks: tuple[int, ...]):
     if len(ranks) == dist.get_world_size():
         return dist.group.WORLD
     if ranks not in _GROUPS:
-        from spmd.runtime import collective_timeout
         _GROUPS[ranks] = dist.new_group(list(ranks), timeout=collective_timeout())
     return _GROUPS[ranks]
 
@@ -159,7 +159,6 @@ class DistributedCollectives(Collectives):
 
     # -- helpers ---------------------------------------------------------------------------------------------------
     def _fail(self, e: Exception, what: str, mesh, dims, batch: _Batch):
-        from spmd.runtime import collective_timeout
         rank = dist.get_rank()
         peers = [r for r in batch.ranks if r != rank]
         raise CollectiveError(
