@@ -5,11 +5,11 @@ DTensors that behave as one global `torch.Tensor` while each device holds only i
 """
 
 from spmd import checkpoint, random
-from spmd.api import copy_to_mesh, relayout, relayout_like, to_global
+from spmd.api import copy_to_mesh, pack, relayout, relayout_like, to_global, unpack
 from spmd.creation import call_with_layout, empty, fill, full, ones, ones_like, zeros, zeros_like
 from spmd.data import DTensorDataset, create_dtensor_iterable
 from spmd.engine.dispatch import cache_stats
-from spmd.dtensor import DTensor, check_layout, fetch_layout, is_dtensor, pack, unpack
+from spmd.dtensor import DTensor, check_layout, fetch_layout, is_dtensor
 from spmd.explain import CollectiveRecord, Explanation
 from spmd.errors import (CollectiveError, IndivisibleError, LayoutError, MeshMismatchError, MixedTensorError,
                          TraceError, UnsupportedOpError)

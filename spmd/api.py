@@ -1,9 +1,9 @@
-"""The seeds' functions that move data: relayout, relayout_like, copy_to_mesh (all differentiable), and the
-autograd functions behind pack/unpack."""
+"""The seeds' functions that move data: pack, unpack, relayout, relayout_like, copy_to_mesh, to_global (all
+differentiable)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -69,8 +69,9 @@ class _Relayout(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor: DTensor, layout: Layout):
         ctx.source = tensor._layout
-        steps = planner.plan_on(layout.mesh, tensor._layout.axes, layout.axes)
-        return make(planner.run(tensor._local, layout.mesh, steps), layout)
+        # a pending reduction over a mesh dim the target shards becomes a reduce-scatter
+        steps = planner.plan_on(layout.mesh, tensor._layout.axes, layout.axes, tensor._pending, tensor._pending_op)
+        return make(planner.run(tensor._stack, layout.mesh, steps), layout)
 
     @staticmethod
     def backward(ctx, grad):
@@ -79,14 +80,7 @@ class _Relayout(torch.autograd.Function):
 
 def _distribute(value: torch.Tensor, layout: Layout) -> DTensor:
     """A plain global value -> a DTensor: each device keeps its shard (one copy per shard, never an alias)."""
-    mesh = layout.mesh
-    value = value.detach().to(mesh.torch_device)
-    replicated = value.unsqueeze(0).expand((mesh.num_local_devices(),) + tuple(value.shape))
-    steps = planner.plan_on(mesh, (None,) * layout.rank, layout.axes)
-    # collectives return fresh memory; without steps, copy so the DTensor never aliases `value`
-    local = planner.run(replicated, mesh, steps) if steps else replicated.clone(
-        memory_format=torch.contiguous_format)
-    return make(local, layout)
+    return make(planner.distribute(value, layout.mesh, layout.axes), layout)
 
 
 def _assemble(tensor: DTensor) -> torch.Tensor:
@@ -129,6 +123,55 @@ class _CrossMesh(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return _distribute(_assemble(grad), ctx.source), None
+
+
+def pack(tensors: Sequence[Any], layout: Layout) -> DTensor:
+    """Packs one component per local device (in `layout.mesh.local_devices()` order) into a DTensor.
+
+    Components may be tensors or array-likes; they are moved to the mesh's device. Differentiable: gradients
+    flow back to components that require grad.
+
+    Raises:
+      ValueError: wrong number of components, or components whose rank, shape or dtype disagree.
+
+    >>> mesh = create_mesh([("x", 2)], devices=["CPU:0", "CPU:1"])
+    >>> t = pack([[1, 2], [3, 4]], Layout(["x"], mesh))
+    >>> t.shape, [c.tolist() for c in unpack(t)]
+    (torch.Size([4]), [[1, 2], [3, 4]])
+    """
+    if not isinstance(layout, Layout):
+        raise TypeError(f"pack expects a Layout, got {type(layout).__name__}")
+    if isinstance(tensors, DTensor) or any(isinstance(t, DTensor) for t in tensors):
+        raise LayoutError("pack expects plain components; this is already a DTensor (use relayout to change "
+                          "its layout)")
+    mesh = layout.mesh
+    expected = mesh.num_local_devices()
+    if len(tensors) != expected:
+        share = "" if mesh.is_fully_local() else (
+            f"; this client holds {expected} of the mesh's {mesh.size} devices and packs only their components")
+        raise LayoutError(f"pack expected {expected} components (one per local device of {mesh!r}), "
+                          f"but got {len(tensors)}{share}")
+    components = [t if isinstance(t, torch.Tensor) else torch.as_tensor(t) for t in tensors]
+    first = components[0]
+    for i, c in enumerate(components):
+        if c.dim() != layout.rank:
+            raise LayoutError(f"Packed layout should have the same rank as each component: component {i} has "
+                              f"rank {c.dim()} (shape {list(c.shape)}) while layout {layout.sharding_specs} has "
+                              f"rank {layout.rank}")
+        if c.shape != first.shape:
+            raise LayoutError(f"Components of a DTensor must all have the same shape: component 0 has "
+                              f"{list(first.shape)}, component {i} has {list(c.shape)}")
+        if c.dtype != first.dtype:
+            raise LayoutError(f"Components of a DTensor must all have the same dtype: component 0 is "
+                              f"{first.dtype}, component {i} is {c.dtype}")
+    return Pack.apply(layout, *components)
+
+
+def unpack(tensor: DTensor) -> list[torch.Tensor]:
+    """The components of `tensor`, one per local device in `mesh.local_devices()` order (differentiable)."""
+    if not isinstance(tensor, DTensor):
+        raise TypeError(f"unpack expects a DTensor, got {type(tensor).__name__}")
+    return list(Unpack.apply(tensor))
 
 
 def to_global(tensor: DTensor) -> torch.Tensor:
@@ -228,4 +271,4 @@ def copy_to_mesh(tensor: Any, layout: Layout, source_layout: Layout | None = Non
     return _CopyToMesh.apply(tensor, layout)
 
 
-__all__ = ["relayout", "relayout_like", "copy_to_mesh", "to_global", "UNSHARDED"]
+__all__ = ["pack", "unpack", "relayout", "relayout_like", "copy_to_mesh", "to_global", "UNSHARDED"]

@@ -11,10 +11,23 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from spmd import shards
 from spmd.errors import LayoutError
 from spmd.layout import Layout
 from spmd.mesh import short_device_name
+from spmd.ops import relayout_op
 from spmd.tracing import prepare_dynamo
+
+# The rule engine (a floor above) executes ops: it installs itself with `install_engine` when imported.
+_engine = None
+
+
+def install_engine(engine) -> None:
+    """Plugs in the object that runs DTensor ops: `engine.dispatch(func, args, kwargs)` for every aten op, and
+    `engine.resolve(tensor)` to resolve a tensor's pending reduction in place (`tensor._settle`)."""
+    global _engine
+    _engine = engine
+
 
 
 class DTensor(torch.Tensor):
@@ -22,36 +35,68 @@ class DTensor(torch.Tensor):
 
     Torch ops on DTensors run on every device's component (SPMD expansion) with the collectives inserted
     for you; autograd, `nn.Module` and `torch.optim` work unchanged.
+
+    Its distribution state: `_layout` (per-axis sharding), the stacked components `_stack`, and a pending
+    reduction — mesh dims `_pending` over which the components still have to be reduced with `_pending_op`
+    (a contraction over a sharded axis leaves one). The global value is always the reduced one; whatever
+    consumes the tensor resolves the reduction (`_local` is the resolved components).
     """
 
-    _local: torch.Tensor
+    _stack: torch.Tensor
     _layout: Layout
-    _copied_view = False  # set on outputs of view ops that had to relayout (see dispatch)
+    _pending: tuple = ()
+    _pending_op: str = "sum"
+    _copied_view = False  # set on outputs of view ops that had to relayout (see engine/dispatch.py)
 
     # Ops reach `__torch_dispatch__` directly: no Python-level `__torch_function__` on the hot path.
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @staticmethod
-    def __new__(cls, local: torch.Tensor, layout: Layout, shape: Sequence[int], requires_grad: bool = False):
+    def __new__(cls, local: torch.Tensor, layout: Layout, shape: Sequence[int], requires_grad: bool = False,
+                pending: tuple = (), pending_op: str = "sum"):
         out = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=local.dtype, device=local.device,
                                                   requires_grad=requires_grad)
-        out._local = local
+        out._stack = local
         out._layout = layout
-        out._key = (layout, tuple(shape), local.dtype)  # the dispatcher's cache-key part for this tensor
+        if pending:
+            out._pending, out._pending_op = pending, pending_op
+            out._key = (layout, tuple(shape), local.dtype, pending, pending_op)
+        else:
+            out._key = (layout, tuple(shape), local.dtype)  # the dispatcher's cache-key part for this tensor
         return out
 
-    # `__torch_dispatch__` is installed by spmd.dispatch (kept there to avoid an import cycle).
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        return _engine.dispatch(func, args, kwargs)
+
+    @property
+    def _local(self) -> torch.Tensor:
+        """The stacked components `(L, *local_shape)`, with any pending reduction resolved first."""
+        if self._pending:
+            _engine.resolve(self)
+        return self._stack
+
+    def _settle(self, local: torch.Tensor, layout: Layout | None = None) -> None:
+        """Takes `local` as its components (the engine resolved its pending reduction, or rebound it)."""
+        self._stack = local
+        if layout is not None:
+            self._layout = layout
+        self._pending = ()
+        self._key = (self._layout, tuple(self.shape), local.dtype)
 
     # -- torch.compile: a traceable wrapper subclass --------------------------------------------------------------
     # Dynamo and AOTAutograd see the stacked components as the one inner tensor and the layout as static
-    # metadata (guarded on), so a compiled graph holds plain kernels over `_local` and the collectives.
+    # metadata (guarded on), so a compiled graph holds plain kernels over the components and the collectives.
+    # A pending reduction never crosses a graph boundary: it is resolved here.
     def __tensor_flatten__(self):
         prepare_dynamo()
-        return ["_local"], self._layout
+        if self._pending:
+            _engine.resolve(self)
+        return ["_stack"], self._layout
 
     @classmethod
     def __tensor_unflatten__(cls, inner, layout, outer_size, outer_stride):
-        return DTensor.__new__(cls, inner["_local"], layout, tuple(outer_size))
+        return DTensor.__new__(cls, inner["_stack"], layout, tuple(outer_size))
 
     def __coerce_same_metadata_as_tangent__(self, expected_layout, expected_type=None):
         """A gradient arriving at a compiled backward with another layout than the one traced is relayouted."""
@@ -59,11 +104,21 @@ class DTensor(torch.Tensor):
             return None
         if expected_layout == self._layout:
             return self
-        from spmd.api import relayout
-        return relayout(self, expected_layout)
+        return relayout_op(self, expected_layout.to_string())
 
     def _stable_hash_for_caching(self) -> str:
         return self._layout.to_string()
+
+    # -- torch.distributed.checkpoint's tensor-subclass protocol (as torch's own DTensor has) ------------------------
+    # For DCP's save/load called without spmd.checkpoint's planners: every local device is a chunk of its own.
+    def __create_write_items__(self, fqn: str, obj) -> list:
+        return shards.create_write_items(self, fqn, obj)
+
+    def __create_chunk_list__(self) -> list:
+        return shards.create_chunk_list(self)
+
+    def __get_tensor_shard__(self, index) -> torch.Tensor:
+        return shards.get_tensor_shard(self, index)
 
     # -- what a user sees ----------------------------------------------------------------------------------------
     def __repr__(self, *, tensor_contents=None) -> str:
@@ -100,7 +155,7 @@ class DTensor(torch.Tensor):
             return memo[id(self)]
         copy = DTensor.__new__(type(self), self._local.detach().clone(), self._layout, self.shape,
                                self.requires_grad)
-        skip = ("_local", "_layout", "_grad_layout_hook")
+        skip = ("_stack", "_layout", "_key", "_pending", "_pending_op", "_grad_layout_hook")
         copy.__dict__.update({k: v for k, v in self.__dict__.items() if k not in skip})
         if copy.requires_grad:
             keep_grad_layout(copy)
@@ -149,9 +204,8 @@ def keep_grad_layout(leaf: DTensor) -> None:
     def to_leaf_layout(grad):
         if not isinstance(grad, DTensor):
             return grad
-        if grad._layout != layout:
-            from spmd.api import relayout
-            grad = relayout(grad, layout)
+        if grad._layout != layout:  # a pending reduction of `grad` becomes a reduce-scatter where it can
+            grad = relayout_op(grad, layout.to_string())
         if not grad._local.is_contiguous():
             # e.g. a weight gradient computed transposed: plain torch makes accumulated grads contiguous too,
             # and optimizers' in-place updates are several times slower on strided storage
@@ -192,54 +246,3 @@ def check_layout(tensor: DTensor, layout: Layout) -> None:
     actual = fetch_layout(tensor)
     if actual != layout:
         raise LayoutError(f"Layout of tensor: {actual!r}, did not match expected layout: {layout!r}")
-
-
-def pack(tensors: Sequence[Any], layout: Layout) -> DTensor:
-    """Packs one component per local device (in `layout.mesh.local_devices()` order) into a DTensor.
-
-    Components may be tensors or array-likes; they are moved to the mesh's device. Differentiable: gradients
-    flow back to components that require grad.
-
-    Raises:
-      ValueError: wrong number of components, or components whose rank, shape or dtype disagree.
-
-    >>> mesh = create_mesh([("x", 2)], devices=["CPU:0", "CPU:1"])
-    >>> t = pack([[1, 2], [3, 4]], Layout(["x"], mesh))
-    >>> t.shape, [c.tolist() for c in unpack(t)]
-    (torch.Size([4]), [[1, 2], [3, 4]])
-    """
-    if not isinstance(layout, Layout):
-        raise TypeError(f"pack expects a Layout, got {type(layout).__name__}")
-    if isinstance(tensors, DTensor) or any(isinstance(t, DTensor) for t in tensors):
-        raise LayoutError("pack expects plain components; this is already a DTensor (use relayout to change "
-                          "its layout)")
-    mesh = layout.mesh
-    expected = mesh.num_local_devices()
-    if len(tensors) != expected:
-        share = "" if mesh.is_fully_local() else (
-            f"; this client holds {expected} of the mesh's {mesh.size} devices and packs only their components")
-        raise LayoutError(f"pack expected {expected} components (one per local device of {mesh!r}), "
-                          f"but got {len(tensors)}{share}")
-    components = [t if isinstance(t, torch.Tensor) else torch.as_tensor(t) for t in tensors]
-    first = components[0]
-    for i, c in enumerate(components):
-        if c.dim() != layout.rank:
-            raise LayoutError(f"Packed layout should have the same rank as each component: component {i} has "
-                              f"rank {c.dim()} (shape {list(c.shape)}) while layout {layout.sharding_specs} has "
-                              f"rank {layout.rank}")
-        if c.shape != first.shape:
-            raise LayoutError(f"Components of a DTensor must all have the same shape: component 0 has "
-                              f"{list(first.shape)}, component {i} has {list(c.shape)}")
-        if c.dtype != first.dtype:
-            raise LayoutError(f"Components of a DTensor must all have the same dtype: component 0 is "
-                              f"{first.dtype}, component {i} is {c.dtype}")
-    from spmd.api import Pack
-    return Pack.apply(layout, *components)
-
-
-def unpack(tensor: DTensor) -> list[torch.Tensor]:
-    """The components of `tensor`, one per local device in `mesh.local_devices()` order (differentiable)."""
-    if not isinstance(tensor, DTensor):
-        raise TypeError(f"unpack expects a DTensor, got {type(tensor).__name__}")
-    from spmd.api import Unpack
-    return list(Unpack.apply(tensor))

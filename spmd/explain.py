@@ -10,14 +10,17 @@ from dataclasses import dataclass, field
 
 import torch
 
+from spmd.collectives import Kind
+
 RECORDERS: list = []  # the active recorders, innermost last
 
 
 @dataclass(frozen=True)
 class CollectiveRecord:
-    """One collective: its kind (`all_reduce`, `all_gather`, `reduce_scatter`, `all_to_all`, `permute`), the mesh
-    dims it runs over, the bytes of each device's input component, and whether autograd's backward issued it."""
-    kind: str
+    """One collective: its kind (a `spmd.collectives.Kind`, equal to its name: `"all_reduce"`, `"all_gather"`,
+    `"reduce_scatter"`, `"all_to_all"`, `"permute"`), the mesh dims it runs over, the bytes of each device's input
+    component, and whether autograd's backward issued it."""
+    kind: Kind
     mesh_dims: tuple
     bytes: int
     backward: bool = False
@@ -83,7 +86,7 @@ class Recorder:
         layouts = tuple(o._layout.axes for o in outs if hasattr(o, "_layout"))
         self.explanation.ops.append(OpRecord(name, inputs, layouts, _in_backward()))
 
-    def collective(self, kind: str, mesh_dims: tuple, local: torch.Tensor) -> None:
+    def collective(self, kind: Kind, mesh_dims: tuple, local: torch.Tensor) -> None:
         per_device = local[0].numel() * local.element_size() if local.dim() else local.element_size()
         op_index = len(self.explanation.ops)  # the op being expanded is recorded when it finishes
         self.explanation.collectives.append(
@@ -94,7 +97,7 @@ def _in_backward() -> bool:
     return torch._C._current_autograd_node() is not None
 
 
-def collective(kind: str, mesh_dims, local: torch.Tensor) -> None:
-    """Called by the collective backends."""
+def collective(kind: Kind, mesh_dims, local: torch.Tensor) -> None:
+    """Called by the planner for every collective it runs."""
     if RECORDERS:
         RECORDERS[-1].collective(kind, mesh_dims, local)

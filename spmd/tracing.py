@@ -5,12 +5,22 @@
 - spmd's own Python (the dispatcher, rules, planner, collectives) runs at trace time inside AOTAutograd, never as
   a Dynamo frame of its own: where a user's function has a graph break, Dynamo would otherwise try to compile
   `__torch_dispatch__` called from the eager part.
+- spmd's rules decide what a traced graph holds, so torch.compile's on-disk caches (FX graphs, AOTAutograd)
+  are keyed on spmd's source too: a changed rule never reuses a graph traced with the old one.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import pathlib
 import sys
 import types
+
+import torch
+
+from spmd.layout import Layout
+from spmd.mesh import Mesh
 
 _READY = False
 
@@ -22,11 +32,21 @@ def prepare_dynamo() -> None:
     _READY = True
     _register_constant_types()
     _skip_spmd_frames()
+    tag = f"spmd-{source_digest()}"
+    if tag not in torch.compiler.config.cache_key_tag:
+        torch.compiler.config.cache_key_tag += tag
+
+
+@functools.cache
+def source_digest() -> str:
+    """A digest of spmd's Python source (all of it: rules, planner, collectives, the DTensor)."""
+    digest = hashlib.sha256()
+    for path in sorted(pathlib.Path(__file__).parent.rglob("*.py")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def _register_constant_types() -> None:
-    from spmd.layout import Layout
-    from spmd.mesh import Mesh
     try:  # a private table of torch; without it a layout read inside a compiled function is a graph break
         from torch._dynamo.variables.builder import SourcelessBuilder
         from torch._dynamo.variables.user_defined import UserDefinedObjectVariable

@@ -6,7 +6,7 @@ this client's `L` local devices in `mesh.local_devices()` order. Tensor axes are
   all_reduce(sum) <-> identity, all_gather <-> shard (reduce_scatter for a pending sum), all_to_all <-> its inverse.
 """
 
-from spmd.collectives.base import Collectives
+from spmd.collectives.base import Collective, Collectives, Kind
 from spmd.collectives.distributed import DistributedCollectives
 from spmd.collectives.local import InProcessCollectives
 
@@ -33,4 +33,4 @@ def backend_for(mesh) -> Collectives:
     return _DISTRIBUTED
 
 
-__all__ = ["Collectives", "InProcessCollectives", "backend_for"]
+__all__ = ["Collective", "Collectives", "Kind", "InProcessCollectives", "backend_for"]

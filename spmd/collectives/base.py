@@ -3,10 +3,43 @@
 from __future__ import annotations
 
 import abc
+import enum
+from typing import NamedTuple
 
 import torch
 
 REDUCE_OPS = ("sum", "avg", "max", "min")
+
+
+class Kind(str, enum.Enum):
+    """What a step of a relayout or a decision moves. A `str` enum: `Kind.ALL_REDUCE == "all_reduce"`."""
+    ALL_REDUCE = "all_reduce"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_GATHER = "all_gather"
+    ALL_TO_ALL = "all_to_all"
+    PERMUTE = "permute"
+    SHARD = "shard"  # each device keeps its block: a local slice, no traffic
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
+class Collective(NamedTuple):
+    """One collective as a value (the planner's steps, a rule's declared collectives); `planner.run` executes it.
+    `axis` is the gathered axis (all_gather, all_to_all) or the sharded one (shard, reduce_scatter); `to_axis` the
+    axis an all_to_all shards; `op` the reduction of all_reduce / reduce_scatter."""
+    kind: Kind
+    mesh_dims: tuple[str, ...]
+    axis: int = -1
+    to_axis: int = -1
+    op: str = "sum"
+
+    @property
+    def moves_data(self) -> bool:
+        return self.kind is not Kind.SHARD
 
 
 class Collectives(abc.ABC):

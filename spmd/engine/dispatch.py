@@ -1,22 +1,30 @@
-"""Eager SPMD expansion: `__torch_dispatch__` -> cached rule -> relayout inputs -> local kernel -> wrap.
+"""Eager SPMD expansion: `__torch_dispatch__` -> cached plan -> relayout inputs -> local kernel -> wrap.
 
-The cache key is (op, and per argument: the layout and global shape of a DTensor, the value of an int, bool,
-str, dtype or float; for pointwise ops only the type of a float, which their kernels read at run time). A cache hit costs a key build, a dict lookup, the kernel and the wraps.
+A plan is a rule's `Decision` made concrete for one cache key: the planner's steps per input (including the
+resolution of pending reductions), the kernel specialised to the call's argument shapes, output layouts and
+shapes. The cache key is (op, and per argument: the layout, global shape, dtype and pending reduction of a
+DTensor, the value of an int, bool, str, dtype or float; for rules that read floats at run time only their type).
+A cache hit costs a key build, a dict lookup, the kernel and the wraps. Plans and decisions are never edited
+after they are made.
 """
 
 from __future__ import annotations
 
+import sys
 import warnings
 
 import torch
+from torch.utils._mode_utils import no_dispatch
 
-from spmd import explain
-from spmd.engine import foreach, planner
+from spmd import dtensor, explain
+from spmd.collectives import Kind, backend_for
 from spmd.dtensor import DTensor
+from spmd.engine import foreach, planner, registry
+from spmd.engine import rules  # noqa: F401  (registers every rule)
+from spmd.engine.decision import Decision, OpCall, TensorSpec, unsupported
+from spmd.engine.rules.common import generic_kernel, replace_tensors
 from spmd.errors import MeshMismatchError, MixedTensorError, UnsupportedOpError
 from spmd.layout import Layout
-from spmd.engine.rules import lookup
-from spmd.engine.rules.common import OpCall, TensorSpec
 
 _CACHE: dict = {}
 _CACHE_LIMIT = 100_000
@@ -24,16 +32,21 @@ _STATS = {"misses": 0}
 
 
 class _Plan:
-    __slots__ = ("decision", "in_steps", "out_layouts", "out_steps", "mesh", "copied_view")
+    __slots__ = ("decision", "kernel", "settle", "in_steps", "out_layouts", "out_pending", "out_steps",
+                 "out_shapes", "mesh", "copied_view")
 
-    def __init__(self, decision, in_steps, out_layouts, out_steps, mesh, copied_view=False):
+    def __init__(self, decision, kernel, settle, in_steps, out_layouts, out_pending, out_steps, mesh, copied_view):
         self.decision = decision
+        self.kernel = kernel  # (locals, args, kwargs) -> local outputs
+        self.settle = settle  # [(input index, steps)]: inputs whose pending reduction is resolved in place first
+        self.in_steps = in_steps  # [(input index, steps)]: inputs relayouted for the kernel
+        self.out_layouts = out_layouts
+        self.out_pending = out_pending  # per output: the mesh dims of the reduction it leaves pending, or None
+        self.out_steps = out_steps  # per output: the steps resolving its reduction now (before an epilogue), or None
+        self.out_shapes = None  # the outputs' global shapes, filled by the first execution
+        self.mesh = mesh
         # a view op whose input had to be relayouted: its outputs do not share memory with the input
         self.copied_view = copied_view
-        self.in_steps = in_steps  # [(input index, steps)] for the inputs that must be relayouted
-        self.out_layouts = out_layouts
-        self.out_steps = out_steps  # per output: the steps resolving its pending reduction
-        self.mesh = mesh
 
 
 def cache_stats() -> dict:
@@ -61,8 +74,8 @@ def _sig(a, tensors, blind=False):
     return a
 
 
-def dispatch(cls, func, types, args=(), kwargs=None):
-    """`DTensor.__torch_dispatch__`: the whole hot path of a cache hit is this function and `_execute`."""
+def dispatch(func, args=(), kwargs=None):
+    """Runs an aten op on DTensors: the whole hot path of a cache hit is this function and `_execute`."""
     tensors: list[DTensor] = []
     key = [id(func)]  # OpOverloads live as long as torch: their id is stable and cheaper than their hash
     blind = _FLOAT_BLIND.get(id(func))
@@ -94,44 +107,56 @@ def dispatch(cls, func, types, args=(), kwargs=None):
     return _execute(plan, func, args, kwargs or {}, tensors)
 
 
-DTensor.__torch_dispatch__ = classmethod(dispatch)
+def resolve(tensor: DTensor) -> None:
+    """Resolves `tensor`'s pending reduction in place (an all-reduce over its pending mesh dims)."""
+    axes, mesh = tensor._layout.axes, tensor._layout.mesh
+    steps = planner.plan_on(mesh, axes, axes, tensor._pending, tensor._pending_op)
+    tensor._settle(planner.run(tensor._stack, mesh, steps))
 
-# id(op) -> whether its plan ignores the values of float arguments. Pointwise ops read them at run time, so
-# e.g. Adam's step size, which changes every step, does not miss the cache; every other op keys on the value,
-# because its rule may decide on it (dropout's p, a norm's order).
+
+dtensor.install_engine(sys.modules[__name__])
+
+# id(op) -> whether its plan ignores the values of float arguments (see engine/registry.py)
 _FLOAT_BLIND: dict = {}
 
 
 def _float_blind(func) -> bool:
-    from spmd.engine.rules.pointwise import like_rule, pointwise_rule
-    blind = _FLOAT_BLIND[id(func)] = foreach.is_foreach(func) or lookup(func) in (pointwise_rule, like_rule)
+    entry = registry.lookup(func)
+    blind = _FLOAT_BLIND[id(func)] = foreach.is_foreach(func) or (entry is not None and entry.floats_at_run_time)
     return blind
 
 
-def _miss(key, func, args, kwargs, tensors) -> "_Plan":
+def _miss(key, func, args, kwargs, tensors) -> "_Plan | None":
     _STATS["misses"] += 1
     if len(_CACHE) >= _CACHE_LIMIT:  # shapes that keep changing must not grow the cache forever
         _CACHE.clear()
-    if foreach.is_foreach(func):
-        plan = _Plan(None, (), None, None, None)  # no decision: `_execute` runs the element ops
-    else:
-        plan = _make_plan(func, args, kwargs, tensors)
+    # foreach ops have no plan of their own: `_execute` runs their element ops
+    plan = None if foreach.is_foreach(func) else _make_plan(func, args, kwargs, tensors)
     _CACHE[key] = plan
     return plan
 
 
 def _copy_from_plain(func, args, kwargs):
     """`dtensor.copy_(plain)` (e.g. `load_state_dict` from a plain checkpoint) distributes the value first."""
-    from spmd.api import copy_to_mesh
-    src = args[1].expand(args[0].shape)
-    return dispatch(DTensor, func, (), (args[0], copy_to_mesh(src, args[0]._layout)) + tuple(args[2:]), kwargs)
+    target, src = args[0], args[1]
+    if src.requires_grad and torch.is_grad_enabled():
+        raise MixedTensorError(f"copy_ of a plain tensor that requires grad (shape {list(src.shape)}) into a "
+                               "DTensor: distribute it first with spmd.copy_to_mesh(tensor, layout)")
+    layout = target._layout
+    value = DTensor(planner.distribute(src.expand(target.shape), layout.mesh, layout.axes), layout, target.shape)
+    return dispatch(func, (target, value) + tuple(args[2:]), kwargs)
 
 
 def _execute(plan: _Plan, func, args, kwargs, tensors):
-    decision = plan.decision
-    if decision is None:
+    if plan is None:
         return foreach.run(func, args, kwargs)
-    locals_ = [t._local for t in tensors]
+    decision = plan.decision
+    locals_ = [t._stack for t in tensors]
+    for i, steps in plan.settle:
+        t = tensors[i]
+        if t._pending:  # (one tensor may be several inputs: the first resolves it)
+            t._settle(planner.run(t._stack, plan.mesh, steps))
+        locals_[i] = t._stack
     for i, steps in plan.in_steps:
         locals_[i] = planner.run(locals_[i], plan.mesh, steps)
     if decision.inplace and tensors[0]._copied_view:
@@ -141,12 +166,23 @@ def _execute(plan: _Plan, func, args, kwargs, tensors):
             "not share memory with its base because the base's layout had to change when the view was taken; the "
             "update would not reach the base. Call .clone() on the view first, or relayout the base so the view "
             "needs no relayout")
-    out = decision.kernel(locals_, args, kwargs)
+    out = plan.kernel(locals_, args, kwargs)
+    if decision.rebinds:
+        return _rebind(plan, tensors[0], out, func, args, kwargs)
     if decision.inplace:
         return tensors[0]
     if plan.copied_view:
         return _mark_copied(_wrap(plan, out, locals_, args, kwargs))
     return _wrap(plan, out, locals_, args, kwargs)
+
+
+def _rebind(plan: _Plan, target: DTensor, local, func, args, kwargs) -> DTensor:
+    """An in-place view op (`squeeze_`): the DTensor takes the new components and layout; its wrapper's sizes
+    and strides follow the op run on the wrapper itself."""
+    with no_dispatch():
+        func(*args, **kwargs)
+    target._settle(local, plan.out_layouts[0])
+    return target
 
 
 def _recorded(plan: _Plan, func, args, kwargs, tensors):
@@ -166,25 +202,33 @@ def _mark_copied(out):
 
 def _wrap(plan: _Plan, out, locals_, args, kwargs):
     decision = plan.decision
-    if decision.single and plan.out_steps is None and decision.epilogue is None:
-        shapes = decision.out_shapes
+    if decision.single and plan.out_steps is None and plan.out_pending is None and decision.epilogue is None:
         layout = plan.out_layouts[0]
         if layout is None:
             return out
+        shapes = plan.out_shapes
         if shapes is None:
-            shapes = decision.out_shapes = [layout.global_shape_from_local_shape(out.shape[1:])]
+            shapes = plan.out_shapes = [layout.global_shape_from_local_shape(out.shape[1:])]
         return DTensor(out, layout, shapes[0])
     if decision.single:
         out = (out,)
-    if plan.out_steps:
+    pending = plan.out_pending
+    if pending is not None and any(type(o) is not torch.Tensor for o in out if isinstance(o, torch.Tensor)):
+        # inside a trace a pending reduction must not reach the graph's outputs (they are unwrapped outside the
+        # trace's modes): resolve it here; later ops in the trace see a settled tensor
+        pending = None
+    if plan.out_steps and pending is None:
         out = [planner.run(o, plan.mesh, s) if s else o for o, s in zip(out, plan.out_steps)]
     if decision.epilogue is not None:
         out = decision.epilogue(out, locals_, args, kwargs)
-    shapes = decision.out_shapes
+    shapes = plan.out_shapes
     if shapes is None:
-        shapes = decision.out_shapes = [None if l is None else l.global_shape_from_local_shape(o.shape[1:])
-                                        for o, l in zip(out, plan.out_layouts)]
-    wrapped = [DTensor(o, l, s) if l is not None else o for o, l, s in zip(out, plan.out_layouts, shapes)]
+        shapes = plan.out_shapes = [None if l is None else l.global_shape_from_local_shape(o.shape[1:])
+                                    for o, l in zip(out, plan.out_layouts)]
+    pending = pending or (None,) * len(out)
+    wrapped = [o if l is None else DTensor(o, l, s) if not p else DTensor(o, l, s, pending=p,
+                                                                           pending_op=decision.reduce_op)
+               for o, l, s, p in zip(out, plan.out_layouts, shapes, pending)]
     return wrapped[0] if decision.single else tuple(wrapped)
 
 
@@ -207,43 +251,60 @@ def _make_plan(func, args, kwargs, tensors) -> _Plan:
 
     call = OpCall(func, tuple(spec(a) for a in args), {k: spec(v) for k, v in kwargs.items()}, mesh,
                   mesh.num_local_devices())
-    rule = lookup(func)
-    if rule is None:
-        return _fallback_plan(call, tensors)
-    decision = rule(call)
-    specialize = getattr(decision.kernel, "specialize", None)
-    if specialize is not None:
-        decision.kernel = specialize(args, kwargs)
-    return _plan_from_decision(decision, call, tensors)
+    entry = registry.lookup(func)
+    decision = _fallback_decision(call) if entry is None else entry.rule(call)
+    return _plan_from_decision(decision, call, tensors, args, kwargs)
 
 
-def _plan_from_decision(decision, call, tensors) -> _Plan:
+def _plan_from_decision(decision: Decision, call: OpCall, tensors, args, kwargs) -> _Plan:
     mesh = call.mesh
-    in_steps = []
+    settle, in_steps = [], []
     for i, (t, want) in enumerate(zip(tensors, decision.inputs)):
         have = t._layout.axes
-        if want is not None and want != have:
-            if decision.inplace and i == 0:
-                raise UnsupportedOpError(f"{call.describe()}: in-place op would change the layout of its target")
-            steps = planner.plan_on(mesh, have, tuple(want))
-            if steps:
-                in_steps.append((i, steps))
+        want = have if want is None else tuple(want)
+        if decision.inplace and i == 0 and want != have:
+            raise UnsupportedOpError(f"{call.describe()}: in-place op would change the layout of its target")
+        steps = planner.plan_on(mesh, have, want, t._pending, t._pending_op)
+        if t._pending and not any(s.kind is Kind.REDUCE_SCATTER for s in steps):
+            # resolved into the tensor itself, so that other consumers (and views) do not reduce it again
+            settle.append((i, planner.plan_on(mesh, have, have, t._pending, t._pending_op)))
+            steps = planner.plan_on(mesh, have, want)
+        if steps:
+            in_steps.append((i, steps))
     out_layouts = [None if axes is None else Layout.from_axes(axes, mesh) for axes in decision.outputs]
-    out_steps = None
-    if decision.reduce and any(decision.reduce):
-        out_steps = [planner.plan_on(mesh, axes, axes, tuple(red), decision.reduce_op) if red else ()
-                     for axes, red in zip(decision.outputs, decision.reduce)]
-        out_steps = out_steps if any(out_steps) else None
+    out_pending = out_steps = None
+    reduced = [tuple(m for m in red if mesh.dim_size(m) > 1) for red in decision.reduce]
+    if any(reduced):
+        out_steps = [planner.plan_on(mesh, axes, axes, red, decision.reduce_op) if red else ()
+                     for axes, red in zip(decision.outputs, reduced)]
+        if decision.epilogue is None:  # left pending: the consumer decides between all-reduce and reduce-scatter
+            out_pending = reduced
+    if settle or in_steps or out_steps:
+        backend_for(mesh)  # a mesh this process cannot communicate over fails here, not where it is consumed
     is_view = any(r.alias_info is not None for r in call.func._schema.returns)
-    return _Plan(decision, in_steps, out_layouts, out_steps, mesh, copied_view=is_view and bool(in_steps))
+    return _Plan(decision, _kernel(decision, mesh, args, kwargs), settle, in_steps, out_layouts, out_pending,
+                 out_steps, mesh, copied_view=is_view and bool(in_steps))
+
+
+def _kernel(decision: Decision, mesh, args, kwargs):
+    """The decision's kernel for this call: specialised to the argument shapes where it can be, and given a
+    runner for the collectives it declared."""
+    kernel = decision.kernel
+    if decision.collectives:
+        comm, declared = backend_for(mesh), decision.collectives
+
+        def run(i, x):
+            return planner.execute(comm, declared[i], x, mesh)
+        return lambda l, a, k: kernel(l, a, k, run)
+    specialize = getattr(kernel, "specialize", None)
+    return kernel if specialize is None else specialize(args, kwargs)
 
 
 _WARNED: set = set()
 
 
-def _fallback_plan(call: OpCall, tensors) -> _Plan:
+def _fallback_decision(call: OpCall) -> Decision:
     """An op without a rule runs once on replicated inputs, if that is safe; else a named error."""
-    from spmd.engine.rules.common import Decision, generic_kernel, replace_tensors, unsupported
     func = call.func
     schema = func._schema
     if schema.is_mutable or torch.Tag.nondeterministic_seeded in func.tags:
@@ -261,7 +322,7 @@ def _fallback_plan(call: OpCall, tensors) -> _Plan:
     if func not in _WARNED:
         _WARNED.add(func)
         warnings.warn(f"spmd: no sharding rule for {func}; running it on replicated inputs (this gathers "
-                      "sharded inputs on every device)", stacklevel=3)
+                      "sharded inputs on every device)", stacklevel=4)
     local = generic_kernel(func)
     n = call.num_local
 
@@ -271,6 +332,5 @@ def _fallback_plan(call: OpCall, tensors) -> _Plan:
         res = tuple(r.unsqueeze(0).expand((n,) + tuple(r.shape)).contiguous() for r in res)
         return res[0] if single else res
 
-    decision = Decision(tuple(tuple([None] * len(s.shape)) for s in call.specs),
-                        tuple(tuple([None] * o.dim()) for o in outs), kernel, single=single)
-    return _plan_from_decision(decision, call, tensors)
+    return Decision(tuple(tuple([None] * len(s.shape)) for s in call.specs),
+                    tuple(tuple([None] * o.dim()) for o in outs), kernel, single=single)

@@ -17,34 +17,25 @@ Plans depend only on immutable values and are cached.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import torch
 
 from spmd import explain
-from spmd.collectives import backend_for
-
-
-class Step(NamedTuple):
-    kind: str  # all_reduce | reduce_scatter | all_gather | shard | all_to_all
-    mesh_dim: str
-    axis: int = -1  # gathered axis (all_gather, all_to_all) or the sharded one (shard, reduce_scatter)
-    to_axis: int = -1  # all_to_all: the axis that becomes sharded
-    op: str = "sum"
+from spmd.collectives import Collective, Kind, backend_for
 
 
 @functools.lru_cache(maxsize=4096)
-def plan(src: tuple, dst: tuple, pending: tuple = (), op: str = "sum") -> tuple[Step, ...]:
+def plan(src: tuple, dst: tuple, pending: tuple = (), op: str = "sum") -> tuple[Collective, ...]:
     """Steps from per-axis mesh dims `src` (with a pending `op` reduction over `pending`) to `dst`."""
     cur = list(src)
     steps = []
     for m in pending:
         if m in dst and cur[dst.index(m)] is None and m not in cur:
             b = dst.index(m)
-            steps.append(Step("reduce_scatter", m, b, op=op))
+            steps.append(Collective(Kind.REDUCE_SCATTER, (m,), b, op=op))
             cur[b] = m
         else:
-            steps.append(Step("all_reduce", m, op=op))
+            steps.append(Collective(Kind.ALL_REDUCE, (m,), op=op))
     while tuple(cur) != dst:
         progressed = False
         for m in _mesh_dims(cur, dst):
@@ -53,28 +44,28 @@ def plan(src: tuple, dst: tuple, pending: tuple = (), op: str = "sum") -> tuple[
             if a == b:
                 continue
             if a is not None and b is not None and cur[b] is None:
-                steps.append(Step("all_to_all", m, a, b))
+                steps.append(Collective(Kind.ALL_TO_ALL, (m,), a, b))
                 cur[a], cur[b] = None, m
             elif a is not None and b is None:
-                steps.append(Step("all_gather", m, a))
+                steps.append(Collective(Kind.ALL_GATHER, (m,), a))
                 cur[a] = None
             elif a is None and cur[b] is None:
-                steps.append(Step("shard", m, b))
+                steps.append(Collective(Kind.SHARD, (m,), b))
                 cur[b] = m
             else:
                 continue
             progressed = True
         if not progressed:  # a cycle (e.g. [x,y] -> [y,x]): free one axis by gathering
             blocked = next(m for m in cur if m is not None and (m not in dst or dst.index(m) != cur.index(m)))
-            steps.append(Step("all_gather", blocked, cur.index(blocked)))
+            steps.append(Collective(Kind.ALL_GATHER, (blocked,), cur.index(blocked)))
             cur[cur.index(blocked)] = None
     return tuple(steps)
 
 
 @functools.lru_cache(maxsize=4096)
-def plan_on(mesh, src: tuple, dst: tuple, pending: tuple = (), op: str = "sum") -> tuple[Step, ...]:
+def plan_on(mesh, src: tuple, dst: tuple, pending: tuple = (), op: str = "sum") -> tuple[Collective, ...]:
     """`plan` without the steps over mesh dims of size 1 (they move nothing)."""
-    return tuple(s for s in plan(src, dst, pending, op) if mesh.dim_size(s.mesh_dim) > 1)
+    return tuple(s for s in plan(src, dst, pending, op) if mesh.dim_size(s.mesh_dims[0]) > 1)
 
 
 def _mesh_dims(cur, dst):
@@ -85,22 +76,40 @@ def _mesh_dims(cur, dst):
     return seen
 
 
-def run(local: torch.Tensor, mesh, steps: tuple[Step, ...]) -> torch.Tensor:
+def run(local: torch.Tensor, mesh, steps: tuple[Collective, ...]) -> torch.Tensor:
     """Applies `steps` to stacked components `local` of a tensor on `mesh`."""
     if not steps:
         return local
     comm = backend_for(mesh)
     for s in steps:
-        if explain.RECORDERS and s.kind != "shard":
-            explain.collective(s.kind, (s.mesh_dim,), local)
-        if s.kind == "all_reduce":
-            local = comm.all_reduce(local, mesh, (s.mesh_dim,), s.op)
-        elif s.kind == "reduce_scatter":
-            local = comm.reduce_scatter(local, mesh, s.mesh_dim, s.axis, s.op)
-        elif s.kind == "all_gather":
-            local = comm.all_gather(local, mesh, s.mesh_dim, s.axis)
-        elif s.kind == "shard":
-            local = comm.shard(local, mesh, s.mesh_dim, s.axis)
-        else:
-            local = comm.all_to_all(local, mesh, s.mesh_dim, s.axis, s.to_axis)
+        local = execute(comm, s, local, mesh)
     return local
+
+
+def execute(comm, step: Collective, local: torch.Tensor, mesh) -> torch.Tensor:
+    """Runs one collective on stacked components (and reports it to an active `explain` recorder)."""
+    kind = step.kind
+    if explain.RECORDERS and kind is not Kind.SHARD:
+        explain.collective(kind, step.mesh_dims, local)
+    if kind is Kind.ALL_REDUCE:
+        return comm.all_reduce(local, mesh, step.mesh_dims, step.op)
+    (mesh_dim,) = step.mesh_dims
+    if kind is Kind.REDUCE_SCATTER:
+        return comm.reduce_scatter(local, mesh, mesh_dim, step.axis, step.op)
+    if kind is Kind.ALL_GATHER:
+        return comm.all_gather(local, mesh, mesh_dim, step.axis)
+    if kind is Kind.SHARD:
+        return comm.shard(local, mesh, mesh_dim, step.axis)
+    if kind is Kind.ALL_TO_ALL:
+        return comm.all_to_all(local, mesh, mesh_dim, step.axis, step.to_axis)
+    raise NotImplementedError(f"the planner cannot run {step}")
+
+
+def distribute(value: torch.Tensor, mesh, axes: tuple) -> torch.Tensor:
+    """The stacked components of a plain global `value` laid out by `axes`: each device keeps its shard (one
+    copy per shard, never an alias of `value`)."""
+    value = value.detach().to(mesh.torch_device)
+    replicated = value.unsqueeze(0).expand((mesh.num_local_devices(),) + tuple(value.shape))
+    steps = plan_on(mesh, (None,) * len(axes), axes)
+    # collectives return fresh memory; without steps, copy
+    return run(replicated, mesh, steps) if steps else replicated.clone(memory_format=torch.contiguous_format)

@@ -1,88 +1,14 @@
-"""What a sharding rule sees and what it decides.
-
-A rule is a pure function of an `OpCall` (the op, its static arguments, and for each DTensor argument a
-`TensorSpec`: per-axis mesh dims, global shape, dtype) returning a `Decision`: the layout each DTensor input
-must have (inputs are relayouted to it), the layout of each output, the mesh dims of any pending reduction
-per output, and the local kernel that runs the op on stacked components `(L, *local_shape)`.
-"""
+"""Helpers the rules share: argument normalisation, kernels that call the op on stacked components, and
+constants a kernel needs (shard offsets)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple
+from typing import Callable
 
 import torch
 
 from spmd.dtensor import DTensor
-from spmd.errors import UnsupportedOpError
-
-Axes = tuple  # per tensor axis: a mesh dim name or None
-
-
-class TensorSpec(NamedTuple):
-    axes: Axes
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-    @property
-    def rank(self) -> int:
-        return len(self.shape)
-
-
-@dataclass(frozen=True)
-class OpCall:
-    func: Any
-    args: tuple  # DTensors replaced by TensorSpec
-    kwargs: dict
-    mesh: Any
-    num_local: int  # L, the stack size
-
-    @property
-    def specs(self) -> list[TensorSpec]:
-        """The TensorSpecs in the order the dispatcher numbers DTensor inputs (args, then kwargs, lists inline)."""
-        out = []
-        for a in list(self.args) + list(self.kwargs.values()):
-            if isinstance(a, TensorSpec):
-                out.append(a)
-            elif isinstance(a, (list, tuple)):
-                out.extend(x for x in a if isinstance(x, TensorSpec))
-        return out
-
-    def local_shape(self, spec_or_shape, axes: Axes) -> tuple[int, ...]:
-        shape = spec_or_shape.shape if isinstance(spec_or_shape, TensorSpec) else spec_or_shape
-        return tuple(s // self.shards(m) for s, m in zip(shape, axes))
-
-    def shards(self, mesh_dim) -> int:
-        return 1 if mesh_dim is None else self.mesh.dim_size(mesh_dim)
-
-    def describe(self) -> str:
-        parts = [f"{list(a.shape)}:{[m or 'unsharded' for m in a.axes]}" if isinstance(a, TensorSpec) else repr(a)
-                 for a in self.args]
-        return f"{self.func}({', '.join(parts)})"
-
-
-Kernel = Callable[[list, tuple, dict], Any]
-
-
-@dataclass
-class Decision:
-    inputs: tuple  # required Axes per DTensor input (flat order)
-    outputs: tuple  # Axes per tensor output (a single output is a 1-tuple)
-    kernel: Kernel
-    reduce: tuple = ()  # per output: mesh dims whose components are still to be reduced
-    reduce_op: str = "sum"
-    epilogue: Callable | None = None  # runs on the reduced local outputs (e.g. addmm's bias)
-    inplace: bool = False  # the op mutated input 0 and returns it
-    single: bool = True  # the op returns one tensor rather than a tuple
-    out_shapes: list | None = field(default=None)
-
-
-def unsupported(call: OpCall, why: str = "") -> UnsupportedOpError:
-    return UnsupportedOpError(
-        f"spmd has no sharding rule for {call.describe()} on mesh {call.mesh.dim_names}={call.mesh.shape()}"
-        + (f": {why}" if why else "") + ". Relayout the inputs (spmd.relayout) to a supported layout, or file "
-        "an issue with this message.")
-
+from spmd.engine.decision import Kernel, OpCall, TensorSpec
 
 def norm_dim(dim: int, rank: int) -> int:
     return dim % rank if rank else 0

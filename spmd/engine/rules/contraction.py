@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from spmd.engine.rules import register
-from spmd.engine.rules.common import Decision, OpCall
+from spmd.engine.registry import register
+from spmd.engine.decision import Decision, OpCall
 
 aten = torch.ops.aten
 _FREE, _CONTRACTED, _BATCH = 2, 1, 0

@@ -10,8 +10,8 @@ import math
 
 import torch
 
-from spmd.engine.rules import register
-from spmd.engine.rules.common import Decision, OpCall, unsupported
+from spmd.engine.registry import register
+from spmd.engine.decision import Decision, OpCall, unsupported
 from spmd.engine.rules.pointwise import aligned_inputs, broadcast_shape, merge_axes
 
 aten = torch.ops.aten

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from spmd.engine.rules import register
-from spmd.engine.rules.common import Decision, OpCall, constant, shard_starts, unsupported
+from spmd.engine.registry import register
+from spmd.engine.decision import Decision, OpCall, unsupported
+from spmd.engine.rules.common import constant, shard_starts
 from spmd.engine.rules.reduction import arg
 
 aten = torch.ops.aten
@@ -122,10 +123,10 @@ def embedding_backward_rule(call: OpCall) -> Decision:
                     reduce=((_batch_dims(idx_axes)),) if _batch_dims(idx_axes) else ())
 
 
-@register(aten.nll_loss_forward.default)
 def nll_loss_rule(call: OpCall) -> Decision:
     """Per device: the sum of the picked log-probabilities and of their weights; both all-reduced; the mean is
-    their ratio. The class axis must be whole on each device."""
+    their ratio. The class axis must be whole on each device (engine/rules/vocab_parallel.py registers
+    `nll_loss_forward` and calls this rule when it is)."""
     x, target = call.specs[0], call.specs[1]
     weight, reduction, ignore_index = call.args[2:5]
     if x.rank not in (1, 2):
@@ -158,7 +159,6 @@ def nll_loss_rule(call: OpCall) -> Decision:
                     single=False)
 
 
-@register(aten.nll_loss_backward.default)
 def nll_loss_backward_rule(call: OpCall) -> Decision:
     x = call.specs[1]
     weight, reduction, ignore_index = call.args[3:6]

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from spmd.engine.rules import register
-from spmd.engine.rules.common import Decision, OpCall, TensorSpec, generic_kernel, unsupported
+from spmd.engine.registry import register, register_family
+from spmd.engine.decision import Decision, OpCall, TensorSpec, unsupported
+from spmd.engine.rules.common import generic_kernel
 
 aten = torch.ops.aten
 
@@ -61,6 +62,25 @@ def aligned_inputs(call: OpCall, specs: list[TensorSpec], out_axes: tuple, out_s
     return tuple(inputs), tuple(views)
 
 
+def is_pointwise(func) -> bool:
+    """Ops tagged pointwise, and the untagged ones of the family: in-place overloads of pointwise ops
+    (`masked_fill_.Scalar`) and the gradients of elementwise maps with one output (`softplus_backward`: the
+    derivative is elementwise too)."""
+    if torch.Tag.pointwise in func.tags:
+        return True
+    name = func._schema.name.split("::")[-1]
+    if name.endswith("_"):
+        packet = getattr(torch.ops.aten, name[:-1], None)
+        functional = getattr(packet, func._overloadname, None) if packet is not None else None
+        return functional is not None and torch.Tag.pointwise in functional.tags
+    if name.endswith("_backward") and len(func._schema.returns) == 1:
+        forward = getattr(torch.ops.aten, name[:-len("_backward")], None)
+        return forward is not None and any(torch.Tag.pointwise in getattr(forward, o).tags
+                                           for o in forward.overloads())
+    return False
+
+
+@register_family(is_pointwise, floats_at_run_time=True)
 def pointwise_rule(call: OpCall) -> Decision:
     specs = call.specs
     if any(a.alias_info is not None and a.alias_info.is_write for a in call.func._schema.arguments[1:]):
@@ -84,7 +104,8 @@ def like_rule(call: OpCall) -> Decision:
 
 
 register(aten.clone, aten.alias, aten.detach, aten.lift_fresh, aten.zeros_like, aten.ones_like, aten.empty_like,
-         aten.full_like, aten.fill_, aten.zero_, aten.positive, aten._conj, aten.conj_physical)(like_rule)
+         aten.full_like, aten.fill_, aten.zero_, aten.positive, aten._conj, aten.conj_physical,
+         floats_at_run_time=True)(like_rule)
 
 
 @register(aten._to_copy.default)

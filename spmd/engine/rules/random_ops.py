@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 
 from spmd import random as srandom
-from spmd.engine.rules import register
-from spmd.engine.rules.common import Decision, OpCall
+from spmd.engine.registry import register
+from spmd.engine.decision import Decision, OpCall
 
 aten = torch.ops.aten
 

@@ -8,10 +8,13 @@ Output layout (TF): the input layout without the reduced axes (kept as unsharded
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
-from spmd.engine.rules import register
-from spmd.engine.rules.common import Decision, OpCall, generic_kernel, norm_dims
+from spmd.engine.registry import register
+from spmd.engine.decision import Decision, OpCall
+from spmd.engine.rules.common import generic_kernel, norm_dims
 
 aten = torch.ops.aten
 
@@ -118,16 +121,15 @@ def norm_rule(call: OpCall) -> Decision:
             return x.amax(dim=local_dims, keepdim=keepdim)
         return (x if ord_ == 1.0 else x * x).sum(dim=local_dims, keepdim=keepdim)
 
-    decision.kernel = kernel
-    if ord_ == 2.0:
-        decision.epilogue = lambda outs, l, a, k: [outs[0].sqrt()]
-    return decision
+    epilogue = (lambda outs, l, a, k: [outs[0].sqrt()]) if ord_ == 2.0 else None
+    return replace(decision, kernel=kernel, epilogue=epilogue)
 
 
 @register(aten.cumsum.default, aten.cumprod.default, aten.sort.default, aten.sort.stable, aten.topk.default,
-          aten._softmax.default, aten._log_softmax.default, aten._safe_softmax.default)
+          aten._safe_softmax.default)
 def scan_rule(call: OpCall) -> Decision:
-    """Ops along one axis whose every output depends on the whole axis: that axis is gathered, others kept."""
+    """Ops along one axis whose every output depends on the whole axis: that axis is gathered, others kept
+    (also softmax's, through engine/rules/vocab_parallel.py, when the class axis is not sharded)."""
     spec = call.specs[0]
     dim = arg(call, "dim", -1)
     dim = dim % spec.rank if spec.rank else 0
@@ -137,7 +139,6 @@ def scan_rule(call: OpCall) -> Decision:
         arg_index(call.func, "dim"): dim + 1}), single=n_out == 1)
 
 
-@register(aten._softmax_backward_data.default, aten._log_softmax_backward_data.default)
 def softmax_backward_rule(call: OpCall) -> Decision:
     grad, out = call.specs
     dim = arg(call, "dim") % grad.rank

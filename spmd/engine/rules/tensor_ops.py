@@ -7,8 +7,8 @@ import torch
 
 from spmd.engine import planner
 from spmd.ops import parse_layout
-from spmd.engine.rules import register
-from spmd.engine.rules.common import Decision, OpCall, unsupported
+from spmd.engine.registry import register
+from spmd.engine.decision import Decision, OpCall, unsupported
 
 aten = torch.ops.aten
 

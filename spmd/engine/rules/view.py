@@ -9,11 +9,13 @@ on the layout.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 
-from spmd.engine.rules import _RULES, register
-from spmd.engine.rules.common import Decision, OpCall, generic_kernel, norm_dim, unsupported
+from spmd.engine.registry import lookup, register
+from spmd.engine.decision import Decision, OpCall, unsupported
+from spmd.engine.rules.common import generic_kernel, norm_dim
 from spmd.engine.rules.reduction import arg, arg_index
 
 aten = torch.ops.aten
@@ -266,26 +268,11 @@ def new_factory_rule(call: OpCall) -> Decision:
 @register(aten.squeeze_.default, aten.squeeze_.dim, aten.squeeze_.dims, aten.unsqueeze_.default,
           aten.transpose_.default, aten.t_.default)
 def inplace_view_rule(call: OpCall) -> Decision:
-    """`squeeze_` and friends (torch.matmul of a 1-D operand uses them): the out-of-place rule on the components,
-    then the DTensor itself takes the new components, layout and global shape (an in-place view op returns self)."""
-    from dataclasses import replace
-
-    from torch.utils._mode_utils import no_dispatch
-
-    from spmd.layout import Layout
+    """`squeeze_` and friends (torch.matmul of a 1-D operand uses them): the out-of-place op's decision; the
+    dispatcher then rebinds the DTensor to its result (an in-place view op returns self)."""
     name = call.func._schema.name.split("::")[-1][:-1]
     functional = getattr(getattr(aten, name), call.func._overloadname)
-    decision = _RULES[functional](replace(call, func=functional))
-    layout, inner = Layout.from_axes(decision.outputs[0], call.mesh), decision.kernel
-
-    def kernel(l, a, k):
-        target = a[0]
-        target._local, target._layout = inner(l, a, k), layout
-        with no_dispatch():  # the wrapper's sizes and strides follow the op
-            call.func(*a, **k)
-        target._key = (layout, tuple(target.shape), target.dtype)
-        return target
-    return Decision(decision.inputs, decision.outputs, kernel, inplace=True)
+    return replace(lookup(functional).rule(replace(call, func=functional)), rebinds=True)
 
 
 def _whole(spec, dims) -> tuple:

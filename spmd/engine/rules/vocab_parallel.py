@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from spmd import explain
-from spmd.collectives import backend_for
-from spmd.engine.rules import register
-from spmd.engine.rules.common import Decision, OpCall, shard_starts
+from spmd.collectives import Collective, Kind
+from spmd.engine.registry import register
+from spmd.engine.decision import Decision, OpCall
+from spmd.engine.rules.common import shard_starts
 from spmd.engine.rules.nn import nll_loss_backward_rule, nll_loss_rule
 from spmd.engine.rules.reduction import scan_rule, softmax_backward_rule
 
@@ -32,15 +32,14 @@ def softmax_rule(call: OpCall) -> Decision:
     d, m = _class_dim(call, call.args[1])
     if m is None:
         return scan_rule(call)
-    axes, mesh, log = call.specs[0].axes, call.mesh, call.func is aten._log_softmax.default
-    comm = backend_for(mesh)
+    axes, log = call.specs[0].axes, call.func is aten._log_softmax.default
 
-    def kernel(l, a, k):
+    def kernel(l, a, k, run):
         x = l[0].float() if a[2] else l[0]  # half_to_float
-        z = x - _all_reduce(comm, x.amax(d + 1, keepdim=True), mesh, (m,), "max")
-        total = _all_reduce(comm, z.exp().sum(d + 1, keepdim=True), mesh, (m,), "sum")
+        z = x - run(0, x.amax(d + 1, keepdim=True))
+        total = run(1, z.exp().sum(d + 1, keepdim=True))
         return z - total.log() if log else z.exp() / total
-    return Decision((axes,), (axes,), kernel)
+    return Decision((axes,), (axes,), kernel, collectives=(_all_reduce(m, "max"), _all_reduce(m, "sum")))
 
 
 @register(aten._log_softmax_backward_data.default, aten._softmax_backward_data.default)
@@ -48,15 +47,14 @@ def softmax_backward(call: OpCall) -> Decision:
     d, m = _class_dim(call, call.args[2])
     if m is None:
         return softmax_backward_rule(call)
-    axes, mesh, log = call.specs[0].axes, call.mesh, call.func is aten._log_softmax_backward_data.default
-    comm = backend_for(mesh)
+    axes, log = call.specs[0].axes, call.func is aten._log_softmax_backward_data.default
 
-    def kernel(l, a, k):
+    def kernel(l, a, k, run):
         grad, out = l
         if log:  # d/dx of log_softmax: grad - softmax * sum(grad)
-            return grad - out.exp() * _all_reduce(comm, grad.sum(d + 1, keepdim=True), mesh, (m,), "sum")
-        return out * (grad - _all_reduce(comm, (grad * out).sum(d + 1, keepdim=True), mesh, (m,), "sum"))
-    return Decision((axes, axes), (axes,), kernel)
+            return grad - out.exp() * run(0, grad.sum(d + 1, keepdim=True))
+        return out * (grad - run(0, (grad * out).sum(d + 1, keepdim=True)))
+    return Decision((axes, axes), (axes,), kernel, collectives=(_all_reduce(m, "sum"),))
 
 
 def _nll_layout(call: OpCall):
@@ -73,12 +71,11 @@ def nll_rule(call: OpCall) -> Decision:
     if m is None:
         return nll_loss_rule(call)
     weight, reduction, ignore_index = call.args[2:5]
-    mesh, n_local = call.mesh, call.num_local
+    n_local = call.num_local
     block = x.shape[-1] // call.shards(m)
     starts = shard_starts(call, m, block, len(t_axes))
-    comm = backend_for(mesh)
 
-    def kernel(l, a, k):
+    def kernel(l, a, k, run):
         xl, t = l[0], l[1]
         w = l[2][0] if weight is not None else None
         xl = xl.view(n_local, -1, block)  # (L, N, C/k)
@@ -86,7 +83,7 @@ def nll_rule(call: OpCall) -> Decision:
         local_t = t - starts(t).view(n_local, 1)
         inside = (local_t >= 0) & (local_t < block)
         picked = xl.gather(2, local_t.clamp(0, block - 1).unsqueeze(-1)).squeeze(-1) * inside
-        picked = _all_reduce(comm, picked, mesh, (m,), "sum")  # every device now has logp[target] of its rows
+        picked = run(0, picked)  # every device now has logp[target] of its rows
         keep = t != ignore_index
         row_w = (w[t.clamp(min=0)] if w is not None else torch.ones_like(picked)) * keep
         per_row = -picked * row_w
@@ -95,7 +92,7 @@ def nll_rule(call: OpCall) -> Decision:
         return per_row.sum(1), row_w.sum(1)
     reduced = (batch,) if batch is not None and reduction != _NONE else ()
     inputs = (x_axes, t_axes) + (((None,),) if weight is not None else ())
-    return Decision(inputs, (t_axes if reduction == _NONE else (), ()), kernel,
+    return Decision(inputs, (t_axes if reduction == _NONE else (), ()), kernel, collectives=(_all_reduce(m, "sum"),),
                     reduce=(reduced, reduced) if reduced else (), single=False,
                     epilogue=(lambda outs, l, a, k: [outs[0] / outs[1], outs[1]]) if reduction == _MEAN else None)
 
@@ -134,6 +131,5 @@ def nll_backward_rule(call: OpCall) -> Decision:
     return Decision(inputs, (x_axes,), kernel)
 
 
-def _all_reduce(comm, x, mesh, mesh_dims, op):
-    explain.collective("all_reduce", mesh_dims, x)
-    return comm.all_reduce(x, mesh, mesh_dims, op)
+def _all_reduce(mesh_dim: str, op: str) -> Collective:
+    return Collective(Kind.ALL_REDUCE, (mesh_dim,), op=op)

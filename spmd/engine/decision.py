@@ -1,0 +1,101 @@
+"""What a sharding rule sees (`OpCall`, `TensorSpec`) and what it decides (`Decision`): plain, frozen values.
+
+A rule is a pure function of an `OpCall` — the op, its static arguments, and for each DTensor argument a
+`TensorSpec` (per-axis mesh dims, global shape, dtype) — returning a `Decision`. It runs nothing: the
+dispatcher and the planner execute decisions, so a cached or traced decision can be listed (`explain`) as well
+as run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, NamedTuple
+
+import torch
+
+from spmd.collectives import Collective
+from spmd.errors import UnsupportedOpError
+
+Axes = tuple  # per tensor axis: a mesh dim name or None
+
+
+class TensorSpec(NamedTuple):
+    axes: Axes
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def rank(self) -> int:
+        return len(self.shape)
+
+
+@dataclass(frozen=True)
+class OpCall:
+    func: Any
+    args: tuple  # DTensors replaced by TensorSpec
+    kwargs: dict
+    mesh: Any
+    num_local: int  # L, the stack size
+
+    @property
+    def specs(self) -> list[TensorSpec]:
+        """The TensorSpecs in the order the dispatcher numbers DTensor inputs (args, then kwargs, lists inline)."""
+        out = []
+        for a in list(self.args) + list(self.kwargs.values()):
+            if isinstance(a, TensorSpec):
+                out.append(a)
+            elif isinstance(a, (list, tuple)):
+                out.extend(x for x in a if isinstance(x, TensorSpec))
+        return out
+
+    def local_shape(self, spec_or_shape, axes: Axes) -> tuple[int, ...]:
+        shape = spec_or_shape.shape if isinstance(spec_or_shape, TensorSpec) else spec_or_shape
+        return tuple(s // self.shards(m) for s, m in zip(shape, axes))
+
+    def shards(self, mesh_dim) -> int:
+        return 1 if mesh_dim is None else self.mesh.dim_size(mesh_dim)
+
+    def describe(self) -> str:
+        parts = [f"{list(a.shape)}:{[m or 'unsharded' for m in a.axes]}" if isinstance(a, TensorSpec) else repr(a)
+                 for a in self.args]
+        return f"{self.func}({', '.join(parts)})"
+
+
+# (stacked local inputs, args, kwargs) -> local output(s); with declared collectives also a runner (see Decision)
+Kernel = Callable[..., Any]
+
+
+@dataclass(frozen=True)
+class Decision:
+    """A rule's decision, in the stages the dispatcher executes:
+
+    1. `inputs`: the axes each DTensor input (flat order) must have; the planner relayouts inputs to them,
+       resolving pending reductions on the way (`None`: any layout, pending reductions resolved).
+    2. `kernel`: the local op on stacked components `(L, *local_shape)`. A kernel that needs collectives between
+       its local steps (vocabulary-parallel softmax) declares them in `collectives` and receives a runner as
+       fourth argument: `run(i, x)` executes `collectives[i]` on stacked components `x`.
+    3. `reduce`: per output, the mesh dims whose components still have to be reduced with `reduce_op`. The
+       output DTensor carries them as a pending reduction, resolved by whatever consumes it (an all-reduce, or a
+       reduce-scatter when it is relayouted to a layout sharded over them) — at once when there is an epilogue.
+    4. `epilogue`: a local step on the reduced outputs (addmm's bias, the mean of a loss).
+
+    `outputs` are the axes of each output (`None` for a non-tensor result). `inplace`: the op mutated input 0 and
+    returns it. `rebinds`: an in-place view op (`squeeze_`): input 0 takes the output's components and layout.
+    """
+    inputs: tuple
+    outputs: tuple
+    kernel: Kernel
+    collectives: tuple[Collective, ...] = ()
+    reduce: tuple = ()
+    reduce_op: str = "sum"
+    epilogue: Callable | None = None
+    inplace: bool = False
+    rebinds: bool = False
+    single: bool = True  # the op returns one tensor rather than a tuple
+
+
+def unsupported(call: OpCall, why: str = "") -> UnsupportedOpError:
+    return UnsupportedOpError(
+        f"spmd has no sharding rule for {call.describe()} on mesh {call.mesh.dim_names}={call.mesh.shape()}"
+        + (f": {why}" if why else "") + ". Relayout the inputs (spmd.relayout) to a supported layout, or file "
+        "an issue with this message.")
