@@ -1,0 +1,193 @@
+"""The rule engine: rules only decide (frozen decisions, one rule per op), the planner's step lists, the exact
+collectives each op issues, and pending reductions carried by DTensors until a consumer resolves them (an
+all-reduce, or a reduce-scatter where the consumer wants the reduced mesh dim sharded)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import spmd
+from spmd import UNSHARDED, Layout
+from spmd.collectives import Collective, Kind
+from spmd.engine import planner, registry
+from spmd.engine.decision import Decision, OpCall, TensorSpec
+from spmd.explain import Recorder
+from sweep import components, gather
+
+U = UNSHARDED
+aten = torch.ops.aten
+
+
+def issued(fn, *args):
+    """The result of `fn(*args)` and the (kind, mesh dims, backward) of every collective it ran, in order."""
+    with Recorder() as e:
+        out = fn(*args)
+    return out, [(c.kind, c.mesh_dims, c.backward) for c in e.collectives]
+
+
+def _row_parallel(mesh22, value_x, value_w):
+    """x [4, 8] with its contraction axis sharded over y, w [8, 4] likewise: x @ w is pending over y."""
+    x = spmd.copy_to_mesh(value_x, Layout([U, "y"], mesh22))
+    w = spmd.copy_to_mesh(value_w, Layout(["y", U], mesh22))
+    return x, w
+
+
+# -- the registry and decisions ------------------------------------------------------------------------------------
+def test_register_refuses_a_second_rule_for_an_op():
+    with pytest.raises(ValueError, match=r"aten\.mm\.default already has the rule .*contraction.*one op, one rule"):
+        registry.register(aten.mm.default)(lambda call: None)
+
+
+def test_every_op_has_one_rule_and_decisions_are_frozen(mesh22):
+    ops = registry.registered_ops()
+    assert len(ops) == len(set(ops))
+    x = spmd.copy_to_mesh(torch.randn(4, 4), Layout(["x", U], mesh22))
+    decision = registry.lookup(aten.mm.default).rule(_call(aten.mm.default, x, x))
+    assert isinstance(decision, Decision)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        decision.kernel = None
+
+
+def _call(func, *tensors):
+    specs = tuple(TensorSpec(t._layout.axes, tuple(t.shape), t.dtype) for t in tensors)
+    mesh = tensors[0]._layout.mesh
+    return OpCall(func, specs, {}, mesh, mesh.num_local_devices())
+
+
+def test_floats_read_at_run_time_only_for_rules_that_say_so():
+    assert registry.lookup(aten.add.Tensor).floats_at_run_time  # the pointwise family
+    assert not registry.lookup(aten.native_dropout.default).floats_at_run_time  # dropout's p decides
+
+
+# -- the planner's step lists --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("src, dst, pending, steps", [
+    (("x", None), (None, None), (), [Collective(Kind.ALL_GATHER, ("x",), 0)]),
+    ((None, None), (None, "y"), (), [Collective(Kind.SHARD, ("y",), 1)]),
+    (("x", None), (None, "x"), (), [Collective(Kind.ALL_TO_ALL, ("x",), 0, 1)]),
+    (("x", "y"), ("y", "x"), (), [Collective(Kind.ALL_GATHER, ("x",), 0), Collective(Kind.ALL_TO_ALL, ("y",), 1, 0),
+                                  Collective(Kind.SHARD, ("x",), 1)]),
+    ((None, None), (None, None), ("y",), [Collective(Kind.ALL_REDUCE, ("y",))]),
+    ((None, None), ("y", None), ("y",), [Collective(Kind.REDUCE_SCATTER, ("y",), 0)]),
+    (("x", None), (None, "y"), ("y",), [Collective(Kind.REDUCE_SCATTER, ("y",), 1),
+                                        Collective(Kind.ALL_GATHER, ("x",), 0)]),
+])
+def test_planner_steps(src, dst, pending, steps):
+    assert list(planner.plan(src, dst, pending)) == steps
+
+
+def test_collective_kinds_compare_as_their_names():
+    assert Kind.REDUCE_SCATTER == "reduce_scatter" and repr(Kind.ALL_REDUCE) == "'all_reduce'"
+
+
+# -- the collectives each op issues ---------------------------------------------------------------------------------
+def test_contraction_over_a_sharded_axis_leaves_its_reduction_pending(mesh22):
+    torch.manual_seed(0)
+    vx, vw = torch.randn(4, 8), torch.randn(8, 4)
+    x, w = _row_parallel(mesh22, vx, vw)
+    y, collectives = issued(torch.mm, x, w)
+    assert collectives == []  # nothing moves until a consumer decides how to reduce
+    assert y._pending == ("y",) and spmd.fetch_layout(y) == Layout([U, U], mesh22)
+    z, collectives = issued(torch.relu, y)
+    assert collectives == [("all_reduce", ("y",), False)]
+    torch.testing.assert_close(gather(z), torch.relu(vx @ vw))
+    assert not y._pending  # resolved into y itself: a second consumer reduces nothing
+    _, collectives = issued(torch.neg, y)
+    assert collectives == []
+
+
+def test_relayout_of_a_pending_reduction_is_one_reduce_scatter(mesh22):
+    torch.manual_seed(0)
+    vx, vw = torch.randn(4, 8), torch.randn(8, 4)
+    x, w = _row_parallel(mesh22, vx, vw)
+    out, collectives = issued(lambda: spmd.relayout(x @ w, Layout(["y", U], mesh22)))
+    assert collectives == [("reduce_scatter", ("y",), False)]
+    expected = spmd.copy_to_mesh(vx @ vw, Layout(["y", U], mesh22))
+    for got, want in zip(components(out), components(expected)):
+        torch.testing.assert_close(got, want)
+
+
+def test_an_op_wanting_the_reduced_dim_sharded_gets_a_reduce_scatter(mesh22):
+    torch.manual_seed(0)
+    vx, vw, vb = torch.randn(4, 8), torch.randn(8, 4), torch.randn(4, 4)
+    x, w = _row_parallel(mesh22, vx, vw)
+    b = spmd.copy_to_mesh(vb, Layout(["y", U], mesh22))  # e.g. a sequence-parallel residual
+    out, collectives = issued(lambda: b + x @ w)
+    assert collectives == [("reduce_scatter", ("y",), False)]
+    assert spmd.fetch_layout(out) == Layout(["y", U], mesh22)
+    torch.testing.assert_close(gather(out), vb + vx @ vw)
+
+
+def test_vocab_parallel_softmax_declares_its_collectives(mesh22):
+    x = spmd.copy_to_mesh(torch.randn(4, 8), Layout([U, "y"], mesh22))
+    decision = registry.lookup(aten._softmax.default).rule(_call_with(aten._softmax.default, x, -1, False))
+    assert decision.collectives == (Collective(Kind.ALL_REDUCE, ("y",), op="max"),
+                                    Collective(Kind.ALL_REDUCE, ("y",), op="sum"))
+    out, collectives = issued(F.softmax, x, -1)
+    assert collectives == [("all_reduce", ("y",), False)] * 2
+    torch.testing.assert_close(gather(out), F.softmax(gather(x), -1))
+
+
+def _call_with(func, tensor, *static):
+    mesh = tensor._layout.mesh
+    spec = TensorSpec(tensor._layout.axes, tuple(tensor.shape), tensor.dtype)
+    return OpCall(func, (spec, *static), {}, mesh, mesh.num_local_devices())
+
+
+def test_sum_over_a_sharded_axis_reduces_once_when_read(mesh22):
+    value = torch.arange(16.).reshape(4, 4)
+    t = spmd.copy_to_mesh(value, Layout(["x", "y"], mesh22))
+    total, collectives = issued(torch.sum, t)
+    assert collectives == []
+    (got, collectives) = issued(total.item)
+    assert got == value.sum().item()
+    assert sorted(collectives) == [("all_reduce", ("x",), False), ("all_reduce", ("y",), False)]
+
+
+# -- pending reductions: every way a value is read sees the reduced value -------------------------------------------
+@pytest.mark.parametrize("read", ["unpack", "to_global", "repr", "numpy", "view_then_inplace", "inplace", "twice"])
+def test_a_pending_reduction_is_resolved_by_every_reader(mesh22, read):
+    torch.manual_seed(0)
+    vx, vw = torch.randn(4, 8), torch.randn(8, 4)
+    x, w = _row_parallel(mesh22, vx, vw)
+    y, expected = x @ w, vx @ vw
+    if read == "unpack":
+        for c in spmd.unpack(y):
+            torch.testing.assert_close(c, expected)
+    elif read == "to_global":
+        torch.testing.assert_close(spmd.to_global(y), expected)
+    elif read == "repr":
+        assert repr(y).startswith("DTensor([[") and not y._pending
+        torch.testing.assert_close(gather(y), expected)
+    elif read == "numpy":
+        torch.testing.assert_close(torch.from_numpy(y.numpy()), expected)
+    elif read == "view_then_inplace":
+        v = y.view(-1)
+        v.add_(1)  # the view shares the resolved components: the update reaches y
+        torch.testing.assert_close(gather(y), expected + 1)
+    elif read == "inplace":
+        y.mul_(2)
+        torch.testing.assert_close(gather(y), expected * 2)
+    else:
+        _, collectives = issued(torch.mul, y, y)
+        assert collectives == [("all_reduce", ("y",), False)]
+
+
+def test_weight_gradient_reduce_scatters_into_a_sharded_parameter(mesh22):
+    """Data parallel over x with the weight sharded over x (ZeRO-style): the weight gradient's reduction over
+    the batch dim arrives as one reduce-scatter, not an all-reduce and a slice."""
+    torch.manual_seed(0)
+    vx, vw = torch.randn(8, 4), torch.randn(4, 6)
+    x = spmd.copy_to_mesh(vx, Layout(["x", U], mesh22))
+    w = spmd.copy_to_mesh(vw, Layout(["x", U], mesh22)).requires_grad_()
+    w_full = spmd.relayout(w, Layout([U, U], mesh22))
+    loss = (x @ w_full).square().sum()
+    _, collectives = issued(loss.backward)
+    assert [c for c in collectives if c[2]] == [("reduce_scatter", ("x",), True)]
+    plain = vw.clone().requires_grad_()
+    (vx @ plain).square().sum().backward()
+    assert spmd.fetch_layout(w.grad) == Layout(["x", U], mesh22)
+    torch.testing.assert_close(gather(w.grad), plain.grad)
