@@ -54,8 +54,12 @@ class DTensor(torch.Tensor):
     @staticmethod
     def __new__(cls, local: torch.Tensor, layout: Layout, shape: Sequence[int], requires_grad: bool = False,
                 pending: tuple = (), pending_op: str = "sum"):
-        out = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=local.dtype, device=local.device,
-                                                  requires_grad=requires_grad)
+        # the global tensor's strides follow the components' memory order (a transposed weight looks transposed),
+        # so torch's own stride logic (AccumulateGrad's layout contract, `.contiguous()`, torch.compile's guards)
+        # sees what the components are
+        strides = None if local.is_contiguous() else _global_strides(local, shape)
+        out = torch.Tensor._make_wrapper_subclass(cls, shape, strides=strides, dtype=local.dtype,
+                                                  device=local.device, requires_grad=requires_grad)
         out._stack = local
         out._layout = layout
         if pending:
@@ -85,29 +89,32 @@ class DTensor(torch.Tensor):
         self._key = (self._layout, tuple(self.shape), local.dtype)
 
     # -- torch.compile: a traceable wrapper subclass --------------------------------------------------------------
-    # Dynamo and AOTAutograd see the stacked components as the one inner tensor and the layout as static
-    # metadata (guarded on), so a compiled graph holds plain kernels over the components and the collectives.
-    # A pending reduction never crosses a graph boundary: it is resolved here.
+    # Dynamo and AOTAutograd see the stacked components as the one inner tensor, and the layout and the
+    # components' strides as static metadata (guarded on: a compiled graph assumes both), so a compiled graph holds
+    # plain kernels over the components and the collectives. A pending reduction never crosses a graph boundary:
+    # it is resolved here.
     def __tensor_flatten__(self):
         prepare_dynamo()
         if self._pending:
             _engine.resolve(self)
-        return ["_stack"], self._layout
+        return ["_stack"], (self._layout, self._stack.stride())
 
     @classmethod
-    def __tensor_unflatten__(cls, inner, layout, outer_size, outer_stride):
-        return DTensor.__new__(cls, inner["_stack"], layout, tuple(outer_size))
+    def __tensor_unflatten__(cls, inner, meta, outer_size, outer_stride):
+        return DTensor.__new__(cls, inner["_stack"], meta[0], tuple(outer_size))
 
-    def __coerce_same_metadata_as_tangent__(self, expected_layout, expected_type=None):
-        """A gradient arriving at a compiled backward with another layout than the one traced is relayouted."""
+    def __coerce_same_metadata_as_tangent__(self, expected_meta, expected_type=None):
+        """A gradient arriving at a compiled backward with another layout than the one traced is relayouted
+        (AOTAutograd itself gives the components the traced strides)."""
         if expected_type is not None and not issubclass(expected_type, DTensor):
             return None
+        expected_layout = expected_meta[0]
         if expected_layout == self._layout:
             return self
         return relayout_op(self, expected_layout.to_string())
 
     def _stable_hash_for_caching(self) -> str:
-        return self._layout.to_string()
+        return f"{self._layout.to_string()}|{self._stack.stride()}"
 
     # -- torch.distributed.checkpoint's tensor-subclass protocol (as torch's own DTensor has) ------------------------
     # For DCP's save/load called without spmd.checkpoint's planners: every local device is a chunk of its own.
@@ -191,6 +198,16 @@ DTensor.__rtruediv__ = lambda self, other: torch.reciprocal(self) * other  # as 
 DTensor.__hash__ = torch.Tensor.__hash__  # defining __eq__ would otherwise make DTensors unhashable
 
 
+def _global_strides(local: torch.Tensor, shape: Sequence[int]) -> tuple[int, ...]:
+    """Contiguous strides for `shape` in the memory order of the component axes (the stack axis left out)."""
+    order = sorted(range(len(shape)), key=lambda a: (local.stride(a + 1), a), reverse=True)  # outermost first
+    strides, step = [0] * len(shape), 1
+    for a in reversed(order):
+        strides[a] = step
+        step *= max(shape[a], 1)
+    return tuple(strides)
+
+
 def _format(component: torch.Tensor) -> str:
     return np.array2string(component.detach().cpu().numpy(), separator=" ", threshold=64).replace("\n", "")
 
@@ -206,11 +223,7 @@ def keep_grad_layout(leaf: DTensor) -> None:
             return grad
         if grad._layout != layout:  # a pending reduction of `grad` becomes a reduce-scatter where it can
             grad = relayout_op(grad, layout.to_string())
-        if not grad._local.is_contiguous():
-            # e.g. a weight gradient computed transposed: plain torch makes accumulated grads contiguous too,
-            # and optimizers' in-place updates are several times slower on strided storage
-            grad = make(grad._local.contiguous(), layout)
-        return grad
+        return grad  # (AccumulateGrad gives it the leaf's strides, as for plain tensors)
 
     leaf._grad_layout_hook = leaf.register_hook(to_leaf_layout)
 

@@ -346,3 +346,27 @@ def test_copy_to_mesh_errors(mesh22):
         copy_to_mesh(torch.zeros(4, 2), Layout(["x"], mesh22))
     with pytest.raises(TypeError):
         copy_to_mesh(torch.zeros(4), ["x"])
+
+
+def test_strides_follow_the_components_memory_order(mesh22):
+    """A transposed DTensor has transposed strides, so `.contiguous()` and autograd's layout contract for
+    `.grad` see the components as they are."""
+    value = torch.randn(4, 6)
+    w = spmd.copy_to_mesh(value, Layout(["x", UNSHARDED], mesh22)).requires_grad_()
+    t = w.t()
+    assert t.stride() == (1, 6) and not t.is_contiguous()
+    c = t.contiguous()
+    assert c.is_contiguous() and c._stack.is_contiguous()
+    torch.testing.assert_close(spmd.to_global(c), value.t())
+    (spmd.copy_to_mesh(torch.randn(3, 6), Layout([UNSHARDED, UNSHARDED], mesh22)) @ t).sum().backward()
+    assert w.grad.is_contiguous() and w.grad._stack.is_contiguous()  # a weight gradient computed transposed
+
+
+def test_compiled_function_retraces_for_components_in_another_memory_order(mesh22):
+    f = spmd.function(lambda x: x * 2)
+    value = torch.randn(6, 4)
+    transposed = spmd.copy_to_mesh(value.t().contiguous(), Layout([UNSHARDED, "y"], mesh22)).t()
+    straight = spmd.copy_to_mesh(value, Layout(["y", UNSHARDED], mesh22))
+    for x in (transposed, straight):
+        torch.testing.assert_close(spmd.to_global(f(x)), value * 2)
+    assert f.experimental_get_tracing_count() == 2

@@ -26,6 +26,7 @@ from spmd.engine.rules.common import generic_kernel, replace_tensors
 from spmd.errors import MeshMismatchError, MixedTensorError, UnsupportedOpError
 from spmd.layout import Layout
 
+_DETACH = torch.ops.aten.detach.default
 _CACHE: dict = {}
 _CACHE_LIMIT = 100_000
 _STATS = {"misses": 0}
@@ -76,6 +77,9 @@ def _sig(a, tensors, blind=False):
 
 def dispatch(func, args=(), kwargs=None):
     """Runs an aten op on DTensors: the whole hot path of a cache hit is this function and `_execute`."""
+    if func is _DETACH and not explain.RECORDERS:  # autograd detaches every gradient it accumulates
+        t = args[0]
+        return DTensor(t._stack.detach(), t._layout, t.shape, pending=t._pending, pending_op=t._pending_op)
     tensors: list[DTensor] = []
     key = [id(func)]  # OpOverloads live as long as torch: their id is stable and cheaper than their hash
     blind = _FLOAT_BLIND.get(id(func))
