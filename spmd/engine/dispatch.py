@@ -34,7 +34,7 @@ _STATS = {"misses": 0}
 
 class _Plan:
     __slots__ = ("decision", "kernel", "settle", "in_steps", "out_layouts", "out_pending", "out_steps",
-                 "out_shapes", "mesh", "copied_view")
+                 "out_shapes", "mesh", "copied_view", "writes")
 
     def __init__(self, decision, kernel, settle, in_steps, out_layouts, out_pending, out_steps, mesh, copied_view):
         self.decision = decision
@@ -48,6 +48,7 @@ class _Plan:
         self.mesh = mesh
         # a view op whose input had to be relayouted: its outputs do not share memory with the input
         self.copied_view = copied_view
+        self.writes = decision.inplace or decision.rebinds
 
 
 def cache_stats() -> dict:
@@ -76,7 +77,12 @@ def _sig(a, tensors, blind=False):
 
 
 def dispatch(func, args=(), kwargs=None):
-    """Runs an aten op on DTensors: the whole hot path of a cache hit is this function and `_execute`."""
+    """Runs an aten op on DTensors."""
+    return torch_dispatch(DTensor, func, (), args, kwargs)
+
+
+def torch_dispatch(cls, func, types, args=(), kwargs=None):
+    """`DTensor.__torch_dispatch__`: the whole hot path of a cache hit is this function and `_execute`."""
     if func is _DETACH and not explain.RECORDERS:  # autograd detaches every gradient it accumulates
         t = args[0]
         return DTensor(t._stack.detach(), t._layout, t.shape, pending=t._pending, pending_op=t._pending_op)
@@ -154,30 +160,41 @@ def _copy_from_plain(func, args, kwargs):
 def _execute(plan: _Plan, func, args, kwargs, tensors):
     if plan is None:
         return foreach.run(func, args, kwargs)
-    decision = plan.decision
     locals_ = [t._stack for t in tensors]
+    if plan.settle:
+        _settle_inputs(plan, tensors, locals_)
+    if plan.in_steps:
+        for i, steps in plan.in_steps:
+            locals_[i] = planner.run(locals_[i], plan.mesh, steps)
+    if plan.writes:
+        return _execute_writing(plan, func, args, kwargs, tensors, locals_)
+    out = plan.kernel(locals_, args, kwargs)
+    if plan.copied_view:
+        return _mark_copied(_wrap(plan, out, locals_, args, kwargs))
+    return _wrap(plan, out, locals_, args, kwargs)
+
+
+def _settle_inputs(plan: _Plan, tensors, locals_) -> None:
     for i, steps in plan.settle:
         t = tensors[i]
         if t._pending:  # (one tensor may be several inputs: the first resolves it)
             t._settle(planner.run(t._stack, plan.mesh, steps))
         locals_[i] = t._stack
-    for i, steps in plan.in_steps:
-        locals_[i] = planner.run(locals_[i], plan.mesh, steps)
-    if decision.inplace and tensors[0]._copied_view:
-        target = tensors[0]
+
+
+def _execute_writing(plan: _Plan, func, args, kwargs, tensors, locals_):
+    """An op that writes its first input: in place, or an in-place view op that rebinds it."""
+    target = tensors[0]
+    if plan.decision.inplace and target._copied_view:
         raise UnsupportedOpError(
             f"in-place op on a view (shape {list(target.shape)}, layout {target._layout.sharding_specs}) that could "
             "not share memory with its base because the base's layout had to change when the view was taken; the "
             "update would not reach the base. Call .clone() on the view first, or relayout the base so the view "
             "needs no relayout")
     out = plan.kernel(locals_, args, kwargs)
-    if decision.rebinds:
-        return _rebind(plan, tensors[0], out, func, args, kwargs)
-    if decision.inplace:
-        return tensors[0]
-    if plan.copied_view:
-        return _mark_copied(_wrap(plan, out, locals_, args, kwargs))
-    return _wrap(plan, out, locals_, args, kwargs)
+    if plan.decision.rebinds:
+        return _rebind(plan, target, out, func, args, kwargs)
+    return target
 
 
 def _rebind(plan: _Plan, target: DTensor, local, func, args, kwargs) -> DTensor:
