@@ -39,7 +39,7 @@ class _Plan:
     def __init__(self, decision, kernel, settle, in_steps, out_layouts, out_pending, out_steps, mesh, copied_view):
         self.decision = decision
         self.kernel = kernel  # (locals, args, kwargs) -> local outputs
-        self.settle = settle  # [(input index, steps)]: inputs whose pending reduction is resolved in place first
+        self.settle = settle  # input indices whose pending reduction is resolved in place first
         self.in_steps = in_steps  # [(input index, steps)]: inputs relayouted for the kernel
         self.out_layouts = out_layouts
         self.out_pending = out_pending  # per output: the mesh dims of the reduction it leaves pending, or None
@@ -175,10 +175,10 @@ def _execute(plan: _Plan, func, args, kwargs, tensors):
 
 
 def _settle_inputs(plan: _Plan, tensors, locals_) -> None:
-    for i, steps in plan.settle:
+    for i in plan.settle:
         t = tensors[i]
         if t._pending:  # (one tensor may be several inputs: the first resolves it)
-            t._settle(planner.run(t._stack, plan.mesh, steps))
+            resolve(t)
         locals_[i] = t._stack
 
 
@@ -246,9 +246,8 @@ def _wrap(plan: _Plan, out, locals_, args, kwargs):
     if shapes is None:
         shapes = plan.out_shapes = [None if l is None else l.global_shape_from_local_shape(o.shape[1:])
                                     for o, l in zip(out, plan.out_layouts)]
-    pending = pending or (None,) * len(out)
-    wrapped = [o if l is None else DTensor(o, l, s) if not p else DTensor(o, l, s, pending=p,
-                                                                           pending_op=decision.reduce_op)
+    pending = pending or ((),) * len(out)
+    wrapped = [o if l is None else DTensor(o, l, s, pending=p, pending_op=decision.reduce_op)
                for o, l, s, p in zip(out, plan.out_layouts, shapes, pending)]
     return wrapped[0] if decision.single else tuple(wrapped)
 
@@ -288,7 +287,7 @@ def _plan_from_decision(decision: Decision, call: OpCall, tensors, args, kwargs)
         steps = planner.plan_on(mesh, have, want, t._pending, t._pending_op)
         if t._pending and not any(s.kind is Kind.REDUCE_SCATTER for s in steps):
             # resolved into the tensor itself, so that other consumers (and views) do not reduce it again
-            settle.append((i, planner.plan_on(mesh, have, have, t._pending, t._pending_op)))
+            settle.append(i)
             steps = planner.plan_on(mesh, have, want)
         if steps:
             in_steps.append((i, steps))

@@ -10,6 +10,7 @@ import torch
 from spmd.dtensor import DTensor
 from spmd.engine.decision import Kernel, OpCall, TensorSpec
 
+
 def norm_dim(dim: int, rank: int) -> int:
     return dim % rank if rank else 0
 
