@@ -191,3 +191,19 @@ def test_weight_gradient_reduce_scatters_into_a_sharded_parameter(mesh22):
     (vx @ plain).square().sum().backward()
     assert spmd.fetch_layout(w.grad) == Layout(["x", U], mesh22)
     torch.testing.assert_close(gather(w.grad), plain.grad)
+
+
+def test_a_detached_pending_tensor_is_reduced_once(mesh22, monkeypatch):
+    """Autograd's detach has a fast path outside the recorder, so this counts what the planner executes."""
+    torch.manual_seed(0)
+    vx, vw = torch.randn(4, 8), torch.randn(8, 4)
+    x, w = _row_parallel(mesh22, vx, vw)
+    y = x @ w
+    executed = []
+    run_one = planner.execute
+    monkeypatch.setattr(planner, "execute", lambda comm, step, local, mesh: executed.append(step.kind) or
+                        run_one(comm, step, local, mesh))
+    d = y.detach()
+    d + 1, y + 1
+    assert executed == [Kind.ALL_REDUCE]
+    torch.testing.assert_close(gather(d), vx @ vw)

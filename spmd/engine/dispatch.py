@@ -83,9 +83,9 @@ def dispatch(func, args=(), kwargs=None):
 
 def torch_dispatch(cls, func, types, args=(), kwargs=None):
     """`DTensor.__torch_dispatch__`: the whole hot path of a cache hit is this function and `_execute`."""
-    if func is _DETACH and not explain.RECORDERS:  # autograd detaches every gradient it accumulates
-        t = args[0]
-        return DTensor(t._stack.detach(), t._layout, t.shape, pending=t._pending, pending_op=t._pending_op)
+    if func is _DETACH and not (explain.RECORDERS or args[0]._pending):  # autograd detaches every gradient
+        t = args[0]  # (a pending reduction takes the general path: resolved once, into the tensor both share)
+        return DTensor(t._stack.detach(), t._layout, t.shape)
     tensors: list[DTensor] = []
     key = [id(func)]  # OpOverloads live as long as torch: their id is stable and cheaper than their hash
     blind = _FLOAT_BLIND.get(id(func))
