@@ -143,8 +143,9 @@ def _check_collectives(dims, per):
     return checks, failures
 
 
-def _mlp_losses(mesh, steps=4):
-    """A small MLP (DVariables, batch x model layouts, SGD with momentum) in float64; returns the losses."""
+def _mlp_losses(mesh, steps=4, backend=None):
+    """A small MLP (DVariables, batch x model layouts, SGD with momentum) in float64; returns the losses.
+    With `backend` the step runs under `spmd.function(backend=backend, fullgraph=False)`."""
     import torch
     import spmd
     from spmd import UNSHARDED as U, Layout
@@ -159,13 +160,17 @@ def _mlp_losses(mesh, steps=4):
     dx = spmd.copy_to_mesh(x, Layout(["batch", U], mesh))
     dy = spmd.copy_to_mesh(y, Layout(["batch", U], mesh))
     opt = torch.optim.SGD(params, lr=0.05, momentum=0.9)
-    losses = []
-    for _ in range(steps):
+
+    def step(dx, dy):
         loss = ((torch.tanh(dx @ params[0] + params[1]) @ params[2] - dy) ** 2).mean()
         loss.backward()
         opt.step()
         opt.zero_grad()
-        losses.append(loss.item())
+        return loss
+
+    if backend is not None:
+        step = spmd.function(step, backend=backend, fullgraph=False)
+    losses = [step(dx, dy).item() for _ in range(steps)]
     layouts = [spmd.fetch_layout(p).sharding_specs for p in params]
     return losses, layouts
 
@@ -176,6 +181,30 @@ def training():
     mesh = spmd.create_distributed_mesh([("batch", 2), ("model", 2)])
     losses, layouts = _mlp_losses(mesh)
     _result({"client": spmd.client_id(), "losses": losses, "layouts": layouts})
+
+
+def compiled_training():
+    """The MLP's step compiled (argv: local devices per client, mesh dims as `batch,model`); reports the losses, and
+    the torch.distributed collectives in the compiled forward and backward graphs (recorded with aot_eager)."""
+    import torch
+    from torch._dynamo.backends.common import aot_autograd
+    import spmd
+    per, (batch, model) = int(sys.argv[2]), map(int, sys.argv[3].split(","))
+    spmd.initialize_accelerator_system("CPU", num_logical_cpu_devices=per)
+    mesh = spmd.create_distributed_mesh([("batch", batch), ("model", model)])
+    graphs = {"forward": [], "backward": []}
+
+    def recording(kind):
+        def compiler(gm, example_inputs):
+            graphs[kind] += [str(n.target) for n in gm.graph.nodes if "_c10d_functional" in str(n.target)]
+            return gm
+        return compiler
+
+    recorded, _ = _mlp_losses(mesh, backend=aot_autograd(fw_compiler=recording("forward"),
+                                                         bw_compiler=recording("backward")))
+    inductor, layouts = _mlp_losses(mesh, backend="inductor")
+    _result({"client": spmd.client_id(), "aot_eager": recorded, "inductor": inductor, "layouts": layouts,
+             "collectives": graphs})
 
 
 def dead_client():

@@ -25,9 +25,10 @@ HARD_TIMEOUT = 90  # seconds for a whole run (the slowest takes ~10 s)
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
 
 
-def launch(scenario, **kwargs) -> list:
-    """Runs `scenario` of multiclient_worker.py (or a script path) as clients; returns their RESULTs."""
-    argv = [scenario] if str(scenario).endswith(".py") else [WORKER, scenario]
+def launch(scenario, argv_extra=(), **kwargs) -> list:
+    """Runs `scenario` of multiclient_worker.py (or a script path) as clients, with `argv_extra` after it; returns
+    their RESULTs."""
+    argv = [scenario, *argv_extra] if str(scenario).endswith(".py") else [WORKER, scenario, *argv_extra]
     results, launch.outputs = clients.launch(argv, hard_timeout=HARD_TIMEOUT, **kwargs)
     return results
 
@@ -70,6 +71,30 @@ def test_training_parity_with_one_process():
         assert r["layouts"] == layouts
         assert r["losses"] == pytest.approx(single, rel=1e-9)
     assert single[-1] < single[0]
+
+
+@pytest.mark.parametrize("per_client, dims, collectives", [
+    # torchrun's case, one device per client, data parallel: the loss's mean, then one all-reduce per gradient
+    (1, (2, 1), {"forward": 1, "backward": 3}),
+    # two devices per client, batch x model: the model all-reduces stay inside a client (local ops)
+    (2, (2, 2), {"forward": 1, "backward": 3}),
+])
+def test_compiled_training_parity_with_one_process(per_client, dims, collectives):
+    """The MLP's step under spmd.function on 2 clients == eager on 1 process; the compiled graphs hold
+    torch.distributed's functional collectives (an all-reduce and its wait per cross-client reduction)."""
+    sys.path.insert(0, str(WORKER.parent))
+    try:
+        from multiclient_worker import _mlp_losses
+    finally:
+        sys.path.remove(str(WORKER.parent))
+    single, layouts = _mlp_losses(spmd.create_mesh([("batch", dims[0]), ("model", dims[1])]))
+    for r in launch("compiled_training", argv_extra=[per_client, f"{dims[0]},{dims[1]}"]):
+        assert r["layouts"] == layouts
+        assert r["aot_eager"] == pytest.approx(single, rel=1e-9)
+        assert r["inductor"] == pytest.approx(single, rel=1e-9)
+        for graph, n in collectives.items():
+            assert sorted(r["collectives"][graph]) == sorted(
+                ["_c10d_functional.all_reduce.default", "_c10d_functional.wait_tensor.default"] * n), graph
 
 
 def test_dead_client_fails_fast():

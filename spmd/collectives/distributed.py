@@ -19,6 +19,10 @@ the general path.
 Ownership is TF's `create_distributed_mesh` convention: client `r` holds the `L` consecutive global ids
 `r*L .. (r+1)*L-1` (`L = mesh.num_local_devices()`); global device names `/task:<r>/` are used when given.
 
+Inside a trace (`torch.compile`, `spmd.function`) the same steps are recorded with the functional collectives
+of `torch.distributed._functional_collectives`, which return new tensors instead of writing into buffers: the
+compiled graph holds them as ops that inductor may reorder and overlap with computation.
+
 Process groups: one per distinct rank set, created with `dist.new_group` by every client in the same (sorted)
 order the first time a (mesh, dims) pair is used (the creation is collective), and cached by rank set; the
 whole world uses the default group. Failures and timeouts become `spmd.CollectiveError`.
@@ -27,17 +31,20 @@ whole world uses the default group. Failures and timeouts become `spmd.Collectiv
 from __future__ import annotations
 
 import functools
+import re
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch.utils._python_dispatch import _disable_current_modes
 
 from spmd.clients import collective_timeout
 from spmd.collectives.base import Collectives
 from spmd.errors import CollectiveError
 
 _GROUPS: dict[tuple[int, ...], object] = {}
-_OPS = {"sum": "SUM", "avg": "SUM", "max": "MAX", "min": "MIN"}
+_OPS = {"sum": "sum", "avg": "sum", "max": "max", "min": "min"}  # avg: a sum, divided after
 
 
 @dataclass(frozen=True)
@@ -54,6 +61,8 @@ class _Batch:
     # group (e.g. one device per client); then the components go straight into torch.distributed
     direct: torch.Tensor | None  # (groups,): stack index of this client's member of each group; None otherwise
     identity: bool  # direct and `direct == arange(L)`: the stacked components are the groups' in order
+    padded: bool  # some slot of `mine` is padding
+    mine_list: tuple[tuple[int, ...], ...]  # `mine` as Python ints (read inside traces without a data dependency)
 
 
 @dataclass(frozen=True)
@@ -67,7 +76,6 @@ def _owners(mesh) -> list[int]:
     n, per = mesh.size, mesh.num_local_devices()
     rank, world = dist.get_rank(), dist.get_world_size()
     if mesh.global_devices():
-        import re
         owners = [int(re.search(r"/task:(\d+)/", d).group(1)) for d in mesh.global_devices()]
     elif per and n == per * world:
         owners = [p // per for p in range(n)]
@@ -86,6 +94,11 @@ def _owners(mesh) -> list[int]:
 
 @functools.lru_cache(maxsize=1024)
 def _plan(mesh, dims: tuple[str, ...]) -> _Plan:
+    with _disable_current_modes():  # first met inside a trace: the cached plan still holds real tensors
+        return _make_plan(mesh, dims)
+
+
+def _make_plan(mesh, dims: tuple[str, ...]) -> _Plan:
     owners = _owners(mesh)
     rank = dist.get_rank()
     base = mesh.min_global_device_id()
@@ -136,7 +149,8 @@ def _plan(mesh, dims: tuple[str, ...]) -> _Plan:
                 bool((source == torch.arange(k)).all()):
             direct = mine[:, 0].clone()
         identity = direct is not None and direct.tolist() == list(range(mesh.num_local_devices()))
-        batches.append(_Batch(ranks, k, slots, tuple(local), source, mine, member_of_slot, direct, identity))
+        batches.append(_Batch(ranks, k, slots, tuple(local), source, mine, member_of_slot, direct, identity,
+                              bool((mine < 0).any()), tuple(map(tuple, mine.tolist()))))
     return _Plan(tuple(batches), mesh.num_local_devices())
 
 
@@ -154,6 +168,47 @@ def _wire(x: torch.Tensor) -> torch.Tensor:
     return (x.to(torch.uint8) if x.dtype == torch.bool else x).contiguous()
 
 
+# the three calls of torch.distributed this backend makes, each eager (into a buffer) or traced (functional)
+def _tracing(x: torch.Tensor) -> bool:
+    return type(x) is not torch.Tensor  # a fake or functional tensor: a trace is recording the ops
+
+
+def _const(index: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A plan's index tensor on `like`'s device. Inside a trace it is made anew from its values: a trace records a
+    constant it creates, but refuses a real tensor made outside it."""
+    if _tracing(like):
+        with _disable_current_modes():
+            values = index.tolist()
+        return torch.tensor(values, dtype=index.dtype, device=like.device)
+    return index.to(like.device)
+
+
+def _all_reduce(buf: torch.Tensor, op: str, group) -> torch.Tensor:
+    """`buf` (contiguous, owned) reduced over `group` with `op` ("sum", "max", "min")."""
+    if _tracing(buf):
+        return funcol.all_reduce(buf, op, group)
+    dist.all_reduce(buf, op=getattr(dist.ReduceOp, op.upper()), group=group)
+    return buf
+
+
+def _all_gather(x: torch.Tensor, group, n: int) -> torch.Tensor:
+    """(n, *x.shape): member i's `x` at index i, for the `n` clients of `group`."""
+    if _tracing(x):
+        return funcol.all_gather_tensor(x, 0, group).view((n,) + tuple(x.shape))
+    out = torch.empty((n,) + tuple(x.shape), dtype=x.dtype, device=x.device)
+    dist.all_gather(list(out.unbind(0)), x, group=group)
+    return out
+
+
+def _all_to_all(send: torch.Tensor, group) -> torch.Tensor:
+    """Block i of `send`'s dim 0 goes to client i of `group`; block i of the result came from client i."""
+    if _tracing(send):
+        return funcol.all_to_all_single(send, None, None, group)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    return recv
+
+
 class DistributedCollectives(Collectives):
     """Collectives for a mesh whose devices are spread over the clients of a `torch.distributed` job."""
 
@@ -169,9 +224,9 @@ class DistributedCollectives(Collectives):
 
     def _contributions(self, x, batch: _Batch) -> torch.Tensor:
         """(groups, slots, *local): this client's components of each group, padded with zeros."""
-        mine = batch.mine.to(x.device)
+        mine = _const(batch.mine, x)
         out = x[mine.clamp(min=0)]
-        return out.masked_fill((mine < 0).view(mine.shape + (1,) * (x.dim() - 1)), 0) if (mine < 0).any() else out
+        return out.masked_fill((mine < 0).view(mine.shape + (1,) * (x.dim() - 1)), 0) if batch.padded else out
 
     def _gather(self, x, mesh, dims, batch: _Batch, what: str) -> torch.Tensor:
         """(groups, k, *local): every member's component of each group, in member order."""
@@ -180,16 +235,13 @@ class DistributedCollectives(Collectives):
         if group is None:
             gathered = mine.unsqueeze(0)
         else:
-            wire = _wire(mine)
-            parts = [torch.empty_like(wire) for _ in batch.ranks]
             try:
-                dist.all_gather(parts, wire, group=group)
+                gathered = _all_gather(_wire(mine), group, len(batch.ranks)).to(x.dtype)  # (ranks, groups, slots, ..)
             except RuntimeError as e:
                 self._fail(e, what, mesh, dims, batch)
-            gathered = torch.stack(parts).to(x.dtype)  # (ranks, groups, slots, *local)
         G = mine.shape[0]
         flat = gathered.movedim(0, 1).reshape((G, len(batch.ranks) * batch.slots) + tuple(x.shape[1:]))
-        source = batch.source.to(x.device)
+        source = _const(batch.source, x)
         return flat[torch.arange(G, device=x.device).unsqueeze(1), source]
 
     # the direct case (see `_Batch.direct`): no padding, no reordering, no per-member write-back
@@ -197,7 +249,7 @@ class DistributedCollectives(Collectives):
         """(groups, *local), contiguous: this client's member of each group (its own memory if `own`)."""
         if batch.identity:
             return x.clone(memory_format=torch.contiguous_format) if own else x.contiguous()
-        return x.index_select(0, batch.direct.to(x.device)).contiguous()
+        return x.index_select(0, _const(batch.direct, x)).contiguous()
 
     def _direct_out(self, out, x, result, batch: _Batch) -> torch.Tensor:
         """Puts each group's `result` (groups, *out_local) at its local member's stack index."""
@@ -205,7 +257,7 @@ class DistributedCollectives(Collectives):
             return result
         if out is None:
             out = torch.empty((x.shape[0],) + tuple(result.shape[1:]), dtype=result.dtype, device=result.device)
-        out.index_copy_(0, batch.direct.to(result.device), result)
+        out.index_copy_(0, _const(batch.direct, result), result)
         return out
 
     def _scatter_back(self, out, per_member, batch: _Batch):
@@ -226,7 +278,7 @@ class DistributedCollectives(Collectives):
             if batch.direct is not None and x.dtype != torch.bool:  # reduce in place on a copy of the components
                 buf = self._direct_in(x, batch, own=True)
                 try:
-                    dist.all_reduce(buf, op=getattr(dist.ReduceOp, _OPS[op]), group=_group(batch.ranks))
+                    buf = _all_reduce(buf, _OPS[op], _group(batch.ranks))
                 except RuntimeError as e:
                     self._fail(e, f"all_reduce({op})", mesh, dims, batch)
                 if op == "avg":
@@ -236,7 +288,7 @@ class DistributedCollectives(Collectives):
             if out is None:
                 out = torch.empty_like(x, memory_format=torch.contiguous_format)
             mine = self._contributions(x, batch)  # (groups, slots, *local)
-            valid = (batch.mine >= 0).to(x.device).view(batch.mine.shape + (1,) * (x.dim() - 1))
+            valid = (_const(batch.mine, x) >= 0).view(batch.mine.shape + (1,) * (x.dim() - 1))
             if op in ("sum", "avg"):
                 partial = mine.sum(1)
             else:
@@ -249,12 +301,10 @@ class DistributedCollectives(Collectives):
                 partial = masked.amax(1) if op == "max" else masked.amin(1)
             group = _group(batch.ranks)
             if group is not None:
-                wire = _wire(partial)
                 try:
-                    dist.all_reduce(wire, op=getattr(dist.ReduceOp, _OPS[op]), group=group)
+                    partial = _all_reduce(_wire(partial), _OPS[op], group).to(x.dtype)
                 except RuntimeError as e:
                     self._fail(e, f"all_reduce({op})", mesh, dims, batch)
-                partial = wire.to(x.dtype)
             if op == "avg":
                 partial = partial / batch.k if partial.is_floating_point() else partial // batch.k
             for j, g, _ in batch.local:
@@ -267,10 +317,8 @@ class DistributedCollectives(Collectives):
         for batch in _plan(mesh, dims).batches:
             if batch.direct is not None and x.dtype != torch.bool:
                 # gather into the rank-major buffer (ranks, groups, *local); member i is client i's
-                mine = self._direct_in(x, batch)
-                buf = torch.empty((len(batch.ranks),) + tuple(mine.shape), dtype=x.dtype, device=x.device)
                 try:
-                    dist.all_gather(list(buf.unbind(0)), mine, group=_group(batch.ranks))
+                    buf = _all_gather(self._direct_in(x, batch), _group(batch.ranks), len(batch.ranks))
                 except RuntimeError as e:
                     self._fail(e, f"all_gather(axis {axis})", mesh, dims, batch)
                 full = buf.movedim(0, 1 + axis)  # a view; the reshape copies only if the members must interleave
@@ -312,9 +360,8 @@ class DistributedCollectives(Collectives):
                 shape = list(mine.shape)
                 shape[1 + shard_axis: 2 + shard_axis] = [k, shape[1 + shard_axis] // k]
                 send = mine.view(shape).movedim(1 + shard_axis, 0).contiguous()  # no copy if shard_axis == 0
-                recv = torch.empty_like(send)
                 try:
-                    dist.all_to_all_single(recv, send, group=_group(batch.ranks))
+                    recv = _all_to_all(send, _group(batch.ranks))
                 except RuntimeError as e:
                     self._fail(e, f"all_to_all(axis {gather_axis} -> {shard_axis})", mesh, dims, batch)
                 full = recv.movedim(0, 1 + gather_axis)
@@ -329,7 +376,7 @@ class DistributedCollectives(Collectives):
             shape[2 + shard_axis: 3 + shard_axis] = [k, shape[2 + shard_axis] // k]
             pieces = mine.reshape(shape).movedim(2 + shard_axis, 2)
             # send[r, g, s, t]: to client r's slot t, the piece its member needs, of my slot s's component
-            want = batch.member_of_slot.to(x.device)  # (ranks, groups, slots)
+            want = _const(batch.member_of_slot, x)  # (ranks, groups, slots)
             g_idx = torch.arange(G, device=x.device).view(1, G, 1, 1)
             s_idx = torch.arange(S, device=x.device).view(1, 1, S, 1)
             send = pieces[g_idx, s_idx, want.view(R, G, 1, S)]  # (ranks, groups, slots, slots, *piece)
@@ -337,27 +384,23 @@ class DistributedCollectives(Collectives):
             if group is None:
                 recv = send
             else:
-                wire = _wire(send)
-                received = torch.empty_like(wire)
                 try:
-                    dist.all_to_all_single(received, wire, group=group)
+                    recv = _all_to_all(_wire(send), group).to(x.dtype)
                 except RuntimeError as e:
                     self._fail(e, f"all_to_all(axis {gather_axis} -> {shard_axis})", mesh, dims, batch)
-                recv = received.to(x.dtype)
             # recv[r, g, s, t]: from client r's slot s to my slot t; order the senders by member index
             flat = recv.movedim(0, 1).reshape((G, R * S, S) + tuple(send.shape[4:]))
-            ordered = flat[torch.arange(G, device=x.device).unsqueeze(1), batch.source.to(x.device)]  # (G,k,S,..)
+            ordered = flat[torch.arange(G, device=x.device).unsqueeze(1), _const(batch.source, x)]  # (G,k,S,..)
             ordered = ordered.movedim(1, 2).movedim(2, 2 + gather_axis)  # (G, S, *piece with k before gather)
             shape = list(ordered.shape)
             shape[2 + gather_axis: 4 + gather_axis] = [shape[2 + gather_axis] * shape[3 + gather_axis]]
             ordered = ordered.reshape(shape)
             if out is None:
                 out = torch.empty((x.shape[0],) + tuple(shape[2:]), dtype=x.dtype, device=x.device)
-            mine_idx = batch.mine.tolist()
-            for g in range(G):
-                for s in range(S):
-                    if mine_idx[g][s] >= 0:
-                        out[mine_idx[g][s]] = ordered[g, s]
+            for g, slots in enumerate(batch.mine_list):
+                for s, j in enumerate(slots):
+                    if j >= 0:
+                        out[j] = ordered[g, s]
         return out
 
     def reduce_scatter(self, x, mesh, mesh_dim, axis, op="sum"):
