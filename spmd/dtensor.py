@@ -10,6 +10,7 @@ from typing import Any, Sequence
 
 import numpy as np
 import torch
+from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 
 from spmd import shards
 from spmd.errors import LayoutError
@@ -20,6 +21,7 @@ from spmd.tracing import prepare_dynamo
 
 # The rule engine (a floor above) executes ops: it installs itself with `install_engine` when imported.
 _engine = None
+_FUNCTIONAL = torch._C._TorchDispatchModeKey.FUNCTIONAL
 
 
 def install_engine(engine) -> None:
@@ -99,7 +101,12 @@ class DTensor(torch.Tensor):
     def __tensor_flatten__(self):
         prepare_dynamo()
         if self._pending:
-            _engine.resolve(self)
+            if isinstance(self._stack, FunctionalTensor) and torch._C._get_dispatch_mode(_FUNCTIONAL) is None:
+                # AOTAutograd unwraps a traced function's outputs after leaving its functionalisation mode
+                with FunctionalTensorMode():
+                    _engine.resolve(self)
+            else:
+                _engine.resolve(self)
         return ["_stack"], (self._layout, self._stack.stride())
 
     @classmethod

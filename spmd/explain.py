@@ -13,6 +13,7 @@ import torch
 from spmd.collectives import Kind
 
 RECORDERS: list = []  # the active recorders, innermost last
+RESULT = "(result)"  # the row of a graph's result whose pending reduction is resolved as the graph returns it
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,8 @@ class Explanation:
             lines.append(f"{r.op}{' (bwd)' if r.backward else ''} | {_specs(r.inputs)} | {_specs(r.outputs)} | "
                          + "; ".join(f"{c.kind}({','.join(c.mesh_dims)}) {c.bytes:,} B" for c in issued))
         total = sum(c.bytes for c in self.collectives)
-        lines.append(f"\n{len(self.ops)} ops, {len(self.collectives)} collectives, {total:,} B per device moved")
+        ops = sum(r.op != RESULT for r in self.ops)
+        lines.append(f"\n{ops} ops, {len(self.collectives)} collectives, {total:,} B per device moved")
         return "\n".join(lines)
 
 
@@ -68,6 +70,7 @@ class Recorder:
     def __init__(self):
         self.explanation = Explanation()
         self._open: list = []  # (name, input layouts) of the ops being expanded (foreach ops nest)
+        self._backward = None  # set while the results of a backward graph are recorded (see `results`)
 
     def __enter__(self):
         RECORDERS.append(self)
@@ -84,17 +87,27 @@ class Recorder:
         outs = out if isinstance(out, (tuple, list)) else (out,)
         name, inputs = self._open.pop()
         layouts = tuple(o._layout.axes for o in outs if hasattr(o, "_layout"))
-        self.explanation.ops.append(OpRecord(name, inputs, layouts, _in_backward()))
+        self.explanation.ops.append(OpRecord(name, inputs, layouts, self._in_backward()))
 
     def collective(self, kind: Kind, mesh_dims: tuple, local: torch.Tensor) -> None:
         per_device = local[0].numel() * local.element_size() if local.dim() else local.element_size()
         op_index = len(self.explanation.ops)  # the op being expanded is recorded when it finishes
         self.explanation.collectives.append(
-            CollectiveRecord(kind, tuple(mesh_dims), per_device, _in_backward(), op_index))
+            CollectiveRecord(kind, tuple(mesh_dims), per_device, self._in_backward(), op_index))
 
+    def result(self, tensor, resolve, backward: bool) -> None:
+        """Records a graph's result whose pending reduction is resolved as the graph returns it (`resolve`), as a
+        row `(result)`."""
+        self._backward = backward
+        try:
+            self.op_started(RESULT, (tensor,))
+            resolve(tensor)
+            self.op_finished(tensor)
+        finally:
+            self._backward = None
 
-def _in_backward() -> bool:
-    return torch._C._current_autograd_node() is not None
+    def _in_backward(self) -> bool:
+        return torch._C._current_autograd_node() is not None if self._backward is None else self._backward
 
 
 def collective(kind: Kind, mesh_dims, local: torch.Tensor) -> None:

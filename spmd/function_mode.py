@@ -20,6 +20,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from spmd.api import copy_to_mesh, relayout
 from spmd.dtensor import DTensor
+from spmd.engine import dispatch
 from spmd.errors import TraceError
 from spmd.explain import Explanation, Recorder
 from spmd.layout import Layout
@@ -114,8 +115,9 @@ class Function:
             inputs = [fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in example_inputs]
             with fake_mode, recorder:
                 outs = gm(*inputs)
+                _resolve_results(recorder, outs, backward=False)
                 if backward:
-                    _differentiate(outs, inputs)
+                    _resolve_results(recorder, _differentiate(outs, inputs), backward=True)
             raise _Captured
 
         try:
@@ -222,9 +224,18 @@ class _Captured(Exception):
     """Raised by explain's backend once the graph was expanded: nothing is compiled or run."""
 
 
-def _differentiate(outs, inputs) -> None:
+def _differentiate(outs, inputs) -> tuple:
+    """The gradients of the first result that requires grad, with respect to the inputs that require grad."""
     outs = outs if isinstance(outs, (list, tuple)) else (outs,)
     loss = next((o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad), None)
     wrt = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
-    if loss is not None and wrt:
-        torch.autograd.grad(loss.sum() if loss.dim() else loss, wrt, allow_unused=True)
+    if loss is None or not wrt:
+        return ()
+    return torch.autograd.grad(loss.sum() if loss.dim() else loss, wrt, allow_unused=True)
+
+
+def _resolve_results(recorder: Recorder, results, backward: bool) -> None:
+    """A compiled graph resolves the pending reductions of the DTensors it returns (see DTensor's flattening)."""
+    for t in pytree.tree_leaves(results):
+        if isinstance(t, DTensor) and t._pending:
+            recorder.result(t, dispatch.resolve, backward)

@@ -67,8 +67,26 @@ def test_explain_megatron_mlp_forward_has_one_all_reduce(mesh22):
     mlp = spmd.function(lambda x, w1, w2: F.gelu(x @ w1) @ w2)
     e = mlp.explain(x, w1, w2)
     assert [(c.kind, c.mesh_dims, c.bytes) for c in e.collectives] == [("all_reduce", ("y",), 4 * 16 * 4)]
-    assert [o.outputs for o in e.ops] == [(("x", "y"),), (("x", "y"),), (("x", None),)]
+    # the row-parallel product's sum stays pending until the function returns it
+    assert [(o.op, o.outputs) for o in e.ops] == [("mm", (("x", "y"),)), ("gelu", (("x", "y"),)),
+                                                  ("mm", (("x", None),)), ("(result)", (("x", None),))]
+    assert e.collectives[0].op_index == 3
     assert "all_reduce(y)" in str(e)
+
+
+def test_pending_sum_becomes_a_reduce_scatter_inside_a_trace(mesh22):
+    """Sequence parallelism's pattern: a row-parallel product relayouted to a sharded layout is one reduce-scatter
+    in the compiled graph too (not an all-reduce and a slice)."""
+    x = spmd.copy_to_mesh(torch.randn(8, 16), Layout([U, "y"], mesh22))
+    w = spmd.copy_to_mesh(torch.randn(16, 12), Layout(["y", U], mesh22))
+    fn = spmd.function(lambda x, w: spmd.relayout(x @ w, Layout(["y", U], mesh22)), backend="aot_eager")
+    e = fn.explain(x, w)
+    assert [(c.kind, c.mesh_dims, c.op_index) for c in e.collectives] == [("reduce_scatter", ("y",), 1)]
+    out, eager = fn(x, w), spmd.relayout(x @ w, Layout(["y", U], mesh22))
+    assert spmd.fetch_layout(out) == Layout(["y", U], mesh22)
+    torch.testing.assert_close(gather(out), spmd.to_global(x) @ spmd.to_global(w))
+    for got, want in zip(components(out), components(eager), strict=True):
+        torch.testing.assert_close(got, want)
 
 
 def test_explain_data_parallel_backward_reduces_each_gradient_over_batch():

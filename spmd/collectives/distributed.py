@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import _disable_current_modes
 
 from spmd.clients import collective_timeout
@@ -176,11 +177,14 @@ def _tracing(x: torch.Tensor) -> bool:
 def _const(index: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """A plan's index tensor on `like`'s device. Inside a trace it is made anew from its values: a trace records a
     constant it creates, but refuses a real tensor made outside it."""
-    if _tracing(like):
-        with _disable_current_modes():
-            values = index.tolist()
-        return torch.tensor(values, dtype=index.dtype, device=like.device)
-    return index.to(like.device)
+    if not _tracing(like):
+        return index.to(like.device)
+    with _disable_current_modes():
+        values = index.tolist()
+    made = torch.tensor(values, dtype=index.dtype, device=like.device)
+    if isinstance(like, FakeTensor) and not isinstance(made, FakeTensor):  # Dynamo flattens its fake values
+        made = like.fake_mode.from_tensor(made)  # outside its fake mode (see DTensor.__tensor_flatten__)
+    return made
 
 
 def _all_reduce(buf: torch.Tensor, op: str, group) -> torch.Tensor:

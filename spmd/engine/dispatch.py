@@ -234,10 +234,6 @@ def _wrap(plan: _Plan, out, locals_, args, kwargs):
     if decision.single:
         out = (out,)
     pending = plan.out_pending
-    if pending is not None and any(type(o) is not torch.Tensor for o in out if isinstance(o, torch.Tensor)):
-        # inside a trace a pending reduction must not reach the graph's outputs (they are unwrapped outside the
-        # trace's modes): resolve it here; later ops in the trace see a settled tensor
-        pending = None
     if plan.out_steps and pending is None:
         out = [planner.run(o, plan.mesh, s) if s else o for o, s in zip(out, plan.out_steps)]
     if decision.epilogue is not None:
