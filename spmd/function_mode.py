@@ -21,6 +21,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from spmd.api import copy_to_mesh, relayout
 from spmd.dtensor import DTensor
 from spmd.engine import dispatch
+from spmd.engine.propagation import hoist_relayouts
 from spmd.errors import TraceError
 from spmd.explain import Explanation, Recorder
 from spmd.layout import Layout
@@ -110,6 +111,7 @@ class Function:
         recorder = Recorder()
 
         def capture(gm, example_inputs):
+            hoist_relayouts(gm)
             # the graph runs op by op on fake components: every rule decides, no kernel computes, nothing mutates
             fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
             inputs = [fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in example_inputs]
@@ -141,6 +143,7 @@ class Function:
             self._top_frame = frame_id
         if frame_id == self._top_frame:
             self._traces += 1
+        hoist_relayouts(gm)
         return self._compile(gm, example_inputs)
 
     def _broadcast(self, args, kwargs):

@@ -222,3 +222,47 @@ def test_torch_compile_directly_on_dtensors(mesh22):
     out = fn(a)
     assert spmd.fetch_layout(out) == spmd.fetch_layout(torch.tanh(a) @ a.T)
     torch.testing.assert_close(gather(out), torch.tanh(gather(a)) @ gather(a).T)
+
+
+def test_relayout_constraint_moves_back_over_elementwise_ops(mesh22):
+    """`relayout(gelu(x @ w + b) * 2, sharded)`: the constraint moves back to the product, so its pending sum is one
+    reduce-scatter (eager: an all-reduce at the add, then a slice) and the elementwise ops compute on blocks.
+    Values, gradients and every component equal eager's."""
+    def make():
+        torch.manual_seed(0)
+        return [spmd.copy_to_mesh(torch.randn(*shape), Layout(axes, mesh22)).requires_grad_()
+                for shape, axes in (((8, 16), [U, "y"]), ((16, 12), ["y", U]), ((12,), [U]))]
+
+    def f(x, w, b):
+        return spmd.relayout(F.gelu(x @ w + b) * 2, Layout(["y", U], mesh22))
+
+    fn = spmd.function(f, backend="aot_eager")
+    e = fn.explain(*make())
+    assert [(c.kind, c.mesh_dims) for c in e.collectives] == [("reduce_scatter", ("y",))]
+    assert [(o.op, o.outputs) for o in e.ops] == [
+        ("mm", ((None, None),)), ("spmd.relayout", (("y", None),)), ("add.Tensor", (("y", None),)),
+        ("gelu", (("y", None),)), ("mul.Tensor", (("y", None),)), ("spmd.relayout", (("y", None),))]
+    results = []
+    for run in (f, fn):
+        inputs = make()
+        out = run(*inputs)
+        (out * out).sum().backward()
+        results.append([out] + [t.grad for t in inputs])
+    for got, want in zip(*results, strict=True):
+        assert spmd.fetch_layout(got) == spmd.fetch_layout(want)
+        for g, w in zip(components(got), components(want), strict=True):
+            torch.testing.assert_close(g, w)
+
+
+def test_relayout_constraint_stays_where_moving_it_would_move_data(mesh22):
+    """Moved back over `a + b`, a gather would run twice; over a product of replicated values that require grad,
+    each slice's backward would be an all-gather the constraint's own backward does not need."""
+    a, b = (spmd.copy_to_mesh(torch.randn(8, 6), Layout(["x", U], mesh22)) for _ in range(2))
+    e = spmd.function(lambda a, b: spmd.relayout(a + b, Layout([U, U], mesh22))).explain(a, b)
+    assert [(c.kind, c.mesh_dims) for c in e.collectives] == [("all_gather", ("x",))]
+    assert [o.op for o in e.ops] == ["add.Tensor", "spmd.relayout"]
+    p = spmd.copy_to_mesh(torch.randn(8, 6), Layout([U, U], mesh22)).requires_grad_()
+    q = spmd.copy_to_mesh(torch.randn(8, 6), Layout([U, U], mesh22))
+    e = spmd.function(lambda p, q: spmd.relayout(p * q, Layout(["x", U], mesh22))).explain(p, q, backward=True)
+    assert [o.op for o in e.ops if not o.backward][:2] == ["mul.Tensor", "spmd.relayout"]
+    assert not [c for c in e.collectives if c.backward]
