@@ -121,6 +121,44 @@ def test_an_op_wanting_the_reduced_dim_sharded_gets_a_reduce_scatter(mesh22):
     torch.testing.assert_close(gather(out), vb + vx @ vw)
 
 
+@pytest.mark.parametrize("name, fn, pending, reductions", [
+    # linear in the pending sums: they stay pending, one all-reduce when the result is read
+    ("sum of two products", lambda p, q, r: p + q, ("y",), 1),
+    ("difference, scaled", lambda p, q, r: (p - q) * 2 / 3, ("y",), 1),
+    ("negated", lambda p, q, r: -p, ("y",), 1),
+    ("times a replicated factor", lambda p, q, r: p * r, ("y",), 1),
+    ("divided by a replicated value", lambda p, q, r: p / (r.abs() + 1), ("y",), 1),
+    # not linear: each sum is resolved first
+    ("plus a replicated value", lambda p, q, r: p + r, (), 1),
+    ("product of two sums", lambda p, q, r: p * q, (), 2),
+    ("divided by a sum", lambda p, q, r: r / (q.abs() + 1), (), 1),
+    # reads only the layout and shape: nothing to reduce at all
+    ("ones_like", lambda p, q, r: torch.ones_like(p), (), 0),
+])
+def test_pending_sums_pass_through_linear_ops(mesh22, name, fn, pending, reductions):
+    torch.manual_seed(0)
+    vx, vw, vu, vv, vr = torch.randn(4, 8), torch.randn(8, 4), torch.randn(4, 8), torch.randn(8, 4), torch.randn(4)
+    x, w = _row_parallel(mesh22, vx, vw)
+    u, v = _row_parallel(mesh22, vu, vv)
+    r = spmd.copy_to_mesh(vr, Layout([U], mesh22))
+    out, collectives = issued(lambda: fn(x @ w, u @ v, r))
+    assert out._pending == pending
+    read, more = issued(gather, out)
+    assert collectives + more == [("all_reduce", ("y",), False)] * reductions
+    torch.testing.assert_close(read, fn(vx @ vw, vu @ vv, vr))
+
+
+def test_a_linear_op_keeps_the_sum_pending_for_a_reduce_scatter(mesh22):
+    torch.manual_seed(0)
+    vx, vw = torch.randn(4, 8), torch.randn(8, 4)
+    x, w = _row_parallel(mesh22, vx, vw)
+    out, collectives = issued(lambda: spmd.relayout((x @ w) * 0.5, Layout(["y", U], mesh22)))
+    assert collectives == [("reduce_scatter", ("y",), False)]
+    expected = spmd.copy_to_mesh(vx @ vw * 0.5, Layout(["y", U], mesh22))
+    for got, want in zip(components(out), components(expected), strict=True):
+        torch.testing.assert_close(got, want)
+
+
 def test_vocab_parallel_softmax_declares_its_collectives(mesh22):
     x = spmd.copy_to_mesh(torch.randn(4, 8), Layout([U, "y"], mesh22))
     decision = registry.lookup(aten._softmax.default).rule(_call_with(aten._softmax.default, x, -1, False))

@@ -23,6 +23,7 @@ class TensorSpec(NamedTuple):
     axes: Axes
     shape: tuple[int, ...]
     dtype: torch.dtype
+    pending: tuple = ()  # the mesh dims of a pending sum the tensor carries (see `Decision.keeps`)
 
     @property
     def rank(self) -> int:
@@ -81,6 +82,9 @@ class Decision:
 
     `outputs` are the axes of each output (`None` for a non-tensor result). `inplace`: the op mutated input 0 and
     returns it. `rebinds`: an in-place view op (`squeeze_`): input 0 takes the output's components and layout.
+    `keeps`: the inputs whose pending sum stays unresolved, because the kernel is linear in them (`a + b` of two
+    sums over the same dims is their sum's sum; `reduce` then leaves the output pending) or does not read values
+    (`ones_like`).
     """
     inputs: tuple
     outputs: tuple
@@ -92,6 +96,7 @@ class Decision:
     inplace: bool = False
     rebinds: bool = False
     single: bool = True  # the op returns one tensor rather than a tuple
+    keeps: tuple[int, ...] = ()
 
 
 def unsupported(call: OpCall, why: str = "") -> UnsupportedOpError:

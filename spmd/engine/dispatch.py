@@ -260,7 +260,7 @@ def _make_plan(func, args, kwargs, tensors) -> _Plan:
     def spec(a):
         if isinstance(a, DTensor):
             next(it)
-            return TensorSpec(a._layout.axes, tuple(a.shape), a.dtype)
+            return TensorSpec(a._layout.axes, tuple(a.shape), a.dtype, a._pending if a._pending_op == "sum" else ())
         if isinstance(a, (list, tuple)) and any(isinstance(x, DTensor) for x in a):
             return type(a)(spec(x) for x in a)
         return a
@@ -280,8 +280,9 @@ def _plan_from_decision(decision: Decision, call: OpCall, tensors, args, kwargs)
         want = have if want is None else tuple(want)
         if decision.inplace and i == 0 and want != have:
             raise UnsupportedOpError(f"{call.describe()}: in-place op would change the layout of its target")
-        steps = planner.plan_on(mesh, have, want, t._pending, t._pending_op)
-        if t._pending and not any(s.kind is Kind.REDUCE_SCATTER for s in steps):
+        pending = () if i in decision.keeps else t._pending  # a kept sum is relayouted unreduced: still a sum
+        steps = planner.plan_on(mesh, have, want, pending, t._pending_op)
+        if pending and not any(s.kind is Kind.REDUCE_SCATTER for s in steps):
             # resolved into the tensor itself, so that other consumers (and views) do not reduce it again
             settle.append(i)
             steps = planner.plan_on(mesh, have, want)

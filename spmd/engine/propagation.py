@@ -5,7 +5,7 @@ The dispatcher chooses layouts forwards: an op sees its inputs' layouts, never w
 pass moves each `spmd::relayout` back over the elementwise ops that produce its input — `relayout(gelu(a + b), L)`
 becomes `relayout(gelu(relayout(a, La) + relayout(b, Lb)), L)` — where that adds no data movement: every new
 relayout only keeps a block of its input (a local slice, no traffic), and none sits where a gradient flows back
-unless it turns a pending sum into a reduce-scatter (see `_input_relayouts`). What it saves:
+unless it turns a pending sum into a reduce-scatter (see `_backward_costs_nothing`). What it saves:
 the elementwise ops compute on blocks instead of whole values, and a pending sum left by a contraction (`x @ w`
 over a sharded contraction axis) meets the slice first, so it is one reduce-scatter instead of an all-reduce
 and a slice (sequence parallelism's pattern, `relayout(x @ w + bias, sharded)`).

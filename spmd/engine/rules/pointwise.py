@@ -8,6 +8,8 @@ wins; a mesh dim that would shard two different output axes shards neither. In-p
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from spmd.engine.registry import register, register_family
@@ -92,7 +94,33 @@ def pointwise_rule(call: OpCall) -> Decision:
         raise unsupported(call, "in-place op whose result would broadcast self")
     inputs, views = aligned_inputs(call, specs, out_axes, out_shape)
     kernel = generic_kernel(call.func, views=views if any(v is not None for v in views) else None)
-    return Decision(inputs, (out_axes,), kernel, inplace=inplace)
+    keeps, dims = _linear_in_pending(call, specs, out_axes)
+    return Decision(inputs, (out_axes,), kernel, inplace=inplace, keeps=keeps, reduce=(dims,) if keeps else ())
+
+
+# functional ops linear in their pending-sum operands (f(sum of p) = sum of f(p)), by which operands: "both"
+# operands pending over the same dims (a sum of sums), "either" one of them (the other is a factor), or the
+# "first" (scaled, or a numerator)
+_LINEAR = {aten.add.Tensor: "both", aten.sub.Tensor: "both", aten.mul.Tensor: "either", aten.div.Tensor: "first",
+           aten.neg.default: "first", aten.mul.Scalar: "first", aten.div.Scalar: "first"}
+
+
+def _linear_in_pending(call: OpCall, specs: list[TensorSpec], out_axes: tuple):
+    """(input indices, mesh dims) of a pending sum the op passes through unresolved; ((), ()) where it cannot."""
+    kind = _LINEAR.get(call.func)
+    dims = next((s.pending for s in specs if s.pending), ())
+    # a device holds a partial sum of its block; an output sharded over a summed dim would mix different blocks
+    if kind is None or not dims or set(dims) & set(out_axes):
+        return (), ()
+    pending = [s.pending for s in specs]
+    if kind == "both":
+        linear = len(specs) == 2 and all(isinstance(a, TensorSpec) for a in call.args[:2]) and \
+            pending == [dims, dims]
+    elif kind == "either":
+        linear = sum(bool(p) for p in pending) == 1
+    else:
+        linear = isinstance(call.args[0], TensorSpec) and pending[0] == dims and not any(pending[1:])
+    return (tuple(i for i, p in enumerate(pending) if p), dims) if linear else ((), ())
 
 
 def like_rule(call: OpCall) -> Decision:
@@ -103,9 +131,15 @@ def like_rule(call: OpCall) -> Decision:
                     generic_kernel(call.func), inplace=is_inplace(call.func))
 
 
-register(aten.clone, aten.alias, aten.detach, aten.lift_fresh, aten.zeros_like, aten.ones_like, aten.empty_like,
-         aten.full_like, aten.fill_, aten.zero_, aten.positive, aten._conj, aten.conj_physical,
-         floats_at_run_time=True)(like_rule)
+register(aten.clone, aten.alias, aten.detach, aten.lift_fresh, aten.fill_, aten.zero_, aten.positive, aten._conj,
+         aten.conj_physical, floats_at_run_time=True)(like_rule)
+
+
+@register(aten.zeros_like, aten.ones_like, aten.empty_like, aten.full_like, floats_at_run_time=True)
+def value_free_like_rule(call: OpCall) -> Decision:
+    """`ones_like` and kin read only their input's layout and shape: a pending sum stays pending for its readers."""
+    decision = like_rule(call)
+    return dataclasses.replace(decision, keeps=(0,)) if call.specs[0].pending else decision
 
 
 @register(aten._to_copy.default)
