@@ -23,6 +23,7 @@ from spmd.engine import foreach, planner, registry
 from spmd.engine import rules  # noqa: F401  (registers every rule)
 from spmd.engine.decision import Decision, OpCall, TensorSpec, unsupported
 from spmd.engine.rules.common import generic_kernel, replace_tensors
+from spmd.engine.validate import check_like_torch
 from spmd.errors import MeshMismatchError, MixedTensorError, UnsupportedOpError
 from spmd.layout import Layout
 
@@ -249,6 +250,7 @@ def _wrap(plan: _Plan, out, locals_, args, kwargs):
 
 
 def _make_plan(func, args, kwargs, tensors) -> _Plan:
+    check_like_torch(func, args, kwargs)
     mesh = tensors[0]._layout.mesh
     for t in tensors[1:]:
         if t._layout.mesh != mesh:

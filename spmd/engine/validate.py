@@ -1,0 +1,63 @@
+"""torch's own argument checks, run on the global shapes before a rule sees an op.
+
+Rules work on stacked components `(L, *local_shape)`: an axis index that is out of range for the global tensor
+may still be in range for the stack, and a shape error raised by a kernel names the components' shapes. So each
+new call signature (a dispatch cache miss) first runs the op on meta tensors of the arguments' global shapes:
+a bad `dim`, shapes that do not match, an impossible `view` raise torch's own error, naming the user's shapes
+and dims. Nothing is computed; ops without a meta kernel, or whose meta kernel cannot run (data-dependent
+output shapes, reading a value), are not checked here.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.utils._pytree as pytree
+from torch._prims_common import canonicalize_dim
+from torch.utils._python_dispatch import _disable_current_modes
+
+_SKIP_TAGS = (torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output)
+aten = torch.ops.aten
+# ops whose meta kernels accept any `dim`: it is checked against the input's rank here
+_DIM_UNCHECKED_BY_META = {aten._softmax.default, aten._log_softmax.default, aten.sort.default, aten.sort.stable}
+
+
+class _Unchecked(Exception):
+    """An argument that has no meta counterpart (a symbolic shape inside a trace)."""
+
+
+def check_like_torch(func, args, kwargs) -> None:
+    """Raises what torch raises for `func(*args, **kwargs)` on plain tensors of the same global shapes."""
+    if any(tag in func.tags for tag in _SKIP_TAGS):
+        return
+    if func in _DIM_UNCHECKED_BY_META:
+        _check_dim(func, args, kwargs)
+    with _disable_current_modes():  # inside a trace: check, do not record
+        try:
+            meta_args, meta_kwargs = pytree.tree_map(_meta, (args, kwargs))
+        except _Unchecked:
+            return
+        try:
+            func(*meta_args, **meta_kwargs)
+        except (IndexError, ValueError, TypeError):
+            raise
+        except RuntimeError as e:
+            if "meta" not in str(e).lower():  # not a limit of the meta kernel: the arguments are wrong
+                raise
+        except Exception:  # noqa: BLE001  no meta kernel, or one that needs values: the rule decides
+            return
+
+
+def _check_dim(func, args, kwargs) -> None:
+    names = [a.name for a in func._schema.arguments]
+    dim = kwargs.get("dim", args[names.index("dim")] if len(args) > names.index("dim") else None)
+    if dim is not None:
+        canonicalize_dim(args[0].dim(), dim)  # torch's IndexError for a dim out of range
+
+
+def _meta(value):
+    if not isinstance(value, torch.Tensor):
+        return value
+    shape, stride = tuple(value.shape), value.stride()
+    if not all(type(s) is int for s in shape + stride):
+        raise _Unchecked
+    return torch.empty_strided(shape, stride, dtype=value.dtype, device="meta")

@@ -1,0 +1,75 @@
+"""Bad arguments raise what plain torch raises, naming the global shapes and dims, never a silent answer.
+
+Rules work on stacked components `(L, *local)`, where a dim one past the global rank is still in range; each new
+call signature is therefore checked on meta tensors of the global shapes first (spmd/engine/validate.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import spmd
+from spmd import UNSHARDED as U, Layout
+
+# (name, op on a 4x4 tensor): each is invalid for a 2-D tensor
+BAD_DIMS = {
+    "sum(2)": lambda t: t.sum(2), "sum(-3)": lambda t: t.sum(-3), "mean(2)": lambda t: t.mean(2),
+    "amax(2)": lambda t: t.amax(2), "argmax(2)": lambda t: t.argmax(2), "softmax(2)": lambda t: t.softmax(2),
+    "log_softmax(-3)": lambda t: t.log_softmax(-3), "cumsum(2)": lambda t: t.cumsum(2),
+    "cat(dim=2)": lambda t: torch.cat([t, t], dim=2), "stack(dim=3)": lambda t: torch.stack([t, t], 3),
+    "unsqueeze(3)": lambda t: t.unsqueeze(3), "transpose(0, 2)": lambda t: t.transpose(0, 2),
+    "select(2, 0)": lambda t: t.select(2, 0), "flip(2)": lambda t: t.flip(2), "sort(2)": lambda t: t.sort(2),
+    "narrow(2, 0, 1)": lambda t: t.narrow(2, 0, 1), "var(2)": lambda t: t.var(2), "topk(1, 2)": lambda t: t.topk(1, 2),
+    "movedim(2, 0)": lambda t: t.movedim(2, 0), "glu(dim=2)": lambda t: F.glu(t, 2),
+}
+
+# (op, shape of a, shape of b, what the error must say): torch's meta kernels word some errors differently from
+# its CPU kernels, but both name the global shapes
+BAD_SHAPES = {
+    "mm (6x10) @ (12x4)": (lambda a, b: a @ b, (6, 10), (12, 4), "[6, 10] X [12, 4]"),
+    "view(5, 3) of 16 elements": (lambda a, b: a.view(5, 3), (4, 4), (1,),
+                                  "shape '[5, 3]' is invalid for input of size 16"),
+    "expand(3, 4) of (4, 4)": (lambda a, b: a.expand(3, 4), (4, 4), (1,),
+                               "Target sizes: [3, 4].  Tensor sizes: [4, 4]"),
+    "add (4x4) + (3x4)": (lambda a, b: a + b, (4, 4), (3, 4), "torch.Size([3, 4])"),
+}
+
+
+def _torch_error(fn, *args):
+    with pytest.raises(Exception) as info:
+        fn(*args)
+    return info.type, str(info.value)
+
+
+@pytest.mark.parametrize("layout", [[U, U], ["x", U], [U, "y"]], ids=str)
+@pytest.mark.parametrize("name", list(BAD_DIMS))
+def test_dim_out_of_range_is_torchs_index_error(mesh22, name, layout):
+    value = torch.randn(4, 4)
+    kind, message = _torch_error(BAD_DIMS[name], value)
+    assert kind is IndexError
+    t = spmd.copy_to_mesh(value, Layout(layout, mesh22))
+    with pytest.raises(IndexError) as info:
+        BAD_DIMS[name](t)
+    assert str(info.value) == message
+
+
+@pytest.mark.parametrize("name", list(BAD_SHAPES))
+def test_shape_errors_name_the_global_shapes(mesh22, name):
+    fn, sa, sb, says = BAD_SHAPES[name]
+    a, b = torch.randn(*sa), torch.randn(*sb)
+    kind, _ = _torch_error(fn, a, b)
+    da = spmd.copy_to_mesh(a, Layout(["x"] + [U] * (a.dim() - 1), mesh22))
+    db = spmd.copy_to_mesh(b, Layout.replicated(mesh22, b.dim()))
+    with pytest.raises(kind) as info:
+        fn(da, db)
+    assert says in str(info.value)
+
+
+def test_valid_dims_still_work(mesh22):
+    value = torch.randn(4, 4)
+    t = spmd.copy_to_mesh(value, Layout(["x", U], mesh22))
+    for op in (lambda t: t.sum(-2), lambda t: t.softmax(-1), lambda t: t.unsqueeze(2), lambda t: t.sort(1).values,
+               lambda t: torch.cat([t, t], dim=-1)):
+        torch.testing.assert_close(spmd.to_global(op(t)), op(value))
