@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import types
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.utils._pytree as pytree
@@ -24,6 +24,7 @@ from spmd.engine import dispatch
 from spmd.engine.propagation import hoist_relayouts
 from spmd.errors import TraceError
 from spmd.explain import Explanation, Recorder
+from spmd.forbidden import check_forbidden, forbidden_kinds
 from spmd.layout import Layout
 
 # torch's own graph breaks in a training step: autograd's backward and the optimizer's step run between graphs
@@ -34,7 +35,7 @@ _EXPECTED_BREAKS = ("Tensor.backward()", "torch._dynamo.graph_break()", "`Optimi
 
 def function(fn: Callable | None = None, *, backend: str | Callable = "inductor", mode: str | None = None,
              dynamic: bool = False, fullgraph: bool = True, out_layouts: Any = None,
-             max_autobroadcast_elements: int = 1 << 16):
+             max_autobroadcast_elements: int = 1 << 16, forbid: str | Sequence[str] | None = None):
     """Compiles `fn` over DTensors (the seeds' `tf.function`). Use as `@spmd.function` or
     `spmd.function(fn, backend=...)`.
 
@@ -47,6 +48,9 @@ def function(fn: Callable | None = None, *, backend: str | Callable = "inductor"
         are relayouted inside the traced graph.
       max_autobroadcast_elements: plain tensor arguments up to this size become replicated DTensors on the
         mesh of the DTensor arguments; larger ones raise `TypeError` (convert them with `copy_to_mesh`).
+      forbid: collective kinds the function's forward must not run (`"all_gather"`, `"all_to_all"`, ..., or
+        `"all"`): a trace that would is a `TraceError` naming the op and its line (and, for a value constrained
+        to two layouts, both constraints' lines).
 
     >>> mesh = create_mesh([("x", 2)])
     >>> @function(backend="eager")
@@ -58,21 +62,24 @@ def function(fn: Callable | None = None, *, backend: str | Callable = "inductor"
     """
     if fn is None:
         return functools.partial(function, backend=backend, mode=mode, dynamic=dynamic, fullgraph=fullgraph,
-                                 out_layouts=out_layouts, max_autobroadcast_elements=max_autobroadcast_elements)
+                                 out_layouts=out_layouts, max_autobroadcast_elements=max_autobroadcast_elements,
+                                 forbid=forbid)
     return Function(fn, backend=backend, mode=mode, dynamic=dynamic, fullgraph=fullgraph, out_layouts=out_layouts,
-                    max_autobroadcast_elements=max_autobroadcast_elements)
+                    max_autobroadcast_elements=max_autobroadcast_elements, forbid=forbid)
 
 
 class Function:
     """A function traced and compiled over DTensors; see `spmd.function`."""
 
-    def __init__(self, fn, *, backend, mode, dynamic, fullgraph, out_layouts, max_autobroadcast_elements):
+    def __init__(self, fn, *, backend, mode, dynamic, fullgraph, out_layouts, max_autobroadcast_elements,
+                 forbid=None):
         functools.update_wrapper(self, fn)
         self._fn = fn
         self._out_layouts = out_layouts
         self._fullgraph = fullgraph
         self._dynamic = dynamic
         self._max_broadcast = max_autobroadcast_elements
+        self._forbid = forbidden_kinds(forbid)
         self._traces = 0
         self._top_frame = None
         self._compile = _backend(backend, mode, dynamic)
@@ -88,6 +95,10 @@ class Function:
             out = self._compiled(*args, **kwargs)
         except torch._dynamo.exc.Unsupported as e:
             raise _trace_error(self._fn, e) from None
+        except torch._dynamo.exc.BackendCompilerFailed as e:
+            if isinstance(e.inner_exception, TraceError):  # a forbidden collective
+                raise e.inner_exception from None
+            raise
         if self._traces != traces:
             self._warn_breaks(breaks)
         return out
@@ -144,6 +155,8 @@ class Function:
         if frame_id == self._top_frame:
             self._traces += 1
         hoist_relayouts(gm)
+        if self._forbid:
+            check_forbidden(gm, example_inputs, self._forbid, self.__name__)
         return self._compile(gm, example_inputs)
 
     def _broadcast(self, args, kwargs):

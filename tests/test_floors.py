@@ -21,7 +21,8 @@ FLOORS = {  # a module's floor is that of its longest matching entry; `spmd` alo
     1: ["spmd.collectives", "spmd.explain", "spmd.tracing"],  # collectives
     2: ["spmd.dtensor", "spmd.ops", "spmd.random", "spmd.shards"],  # the DTensor
     3: ["spmd.engine"],  # the rule engine
-    4: ["spmd.api", "spmd.creation", "spmd.scope", "spmd.variable", "spmd.function_mode", "spmd.visualize"],
+    4: ["spmd.api", "spmd.creation", "spmd.scope", "spmd.variable", "spmd.function_mode", "spmd.forbidden",
+        "spmd.visualize"],
     5: ["spmd.nn", "spmd.data", "spmd.checkpoint", "spmd.runtime"],
     6: ["spmd.cli", "spmd.demo", "spmd"],
 }

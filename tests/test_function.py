@@ -266,3 +266,38 @@ def test_relayout_constraint_stays_where_moving_it_would_move_data(mesh22):
     e = spmd.function(lambda p, q: spmd.relayout(p * q, Layout(["x", U], mesh22))).explain(p, q, backward=True)
     assert [o.op for o in e.ops if not o.backward][:2] == ["mul.Tensor", "spmd.relayout"]
     assert not [c for c in e.collectives if c.backward]
+
+
+def test_forbid_refuses_a_collective_and_names_both_conflicting_constraints(mesh22):
+    x = spmd.copy_to_mesh(torch.randn(8, 16), Layout(["x", U], mesh22))
+    w = spmd.copy_to_mesh(torch.randn(16, 32), Layout([U, U], mesh22))
+
+    def conflict(x, w):
+        h = x @ w
+        a = spmd.relayout(h, Layout(["x", "y"], mesh22))  # line A: a slice, free
+        b = spmd.relayout(h, Layout([U, U], mesh22))  # line B: an all-gather over x
+        return a, b
+
+    first = conflict.__code__.co_firstlineno
+    with pytest.raises(spmd.TraceError) as info:
+        spmd.function(conflict, forbid="all_gather", backend="aot_eager")(x, w)
+    message = str(info.value)
+    assert "all_gather over mesh dim(s) ['x']" in message
+    assert f"line {first + 3}" in message and f"line {first + 2}" in message  # both constraints' lines
+    assert "['x', 'y']" in message and "['unsharded', 'unsharded']" in message
+    assert "While executing" not in message
+    a, b = spmd.function(conflict, forbid="all_to_all", backend="aot_eager")(x, w)  # allowed: it runs
+    torch.testing.assert_close(gather(b), spmd.to_global(x) @ spmd.to_global(w))
+
+
+def test_forbid_accepts_communication_free_layouts_and_checks_results(mesh22):
+    x = spmd.copy_to_mesh(torch.randn(8, 16), Layout(["x", U], mesh22))
+    w1 = spmd.copy_to_mesh(torch.randn(16, 32), Layout([U, "y"], mesh22))
+    w2 = spmd.copy_to_mesh(torch.randn(32, 16), Layout(["y", U], mesh22))
+    mlp = lambda x, w1, w2: torch.relu(x @ w1) @ w2  # noqa: E731  one all-reduce, at the result
+    out = spmd.function(mlp, forbid=("all_gather", "all_to_all"), backend="aot_eager")(x, w1, w2)
+    torch.testing.assert_close(gather(out), mlp(*(spmd.to_global(t) for t in (x, w1, w2))))
+    with pytest.raises(spmd.TraceError, match="all_reduce over mesh dim.* as the function returns its result"):
+        spmd.function(mlp, forbid="all", backend="aot_eager")(x, w1, w2)
+    with pytest.raises(ValueError, match="forbid='gather'"):
+        spmd.function(mlp, forbid="gather")
