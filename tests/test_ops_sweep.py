@@ -119,6 +119,17 @@ CASES = {
     "sum_dim_none_keep": (lambda x: x.sum(dim=None, keepdim=True), [rand(4, 4)]),
     "argmax": (lambda x: x.argmax(-1), [rand(4, 4)]),
     "norm": (lambda x: torch.linalg.vector_norm(x, dim=-1), [rand(4, 4)]),
+    # a dim left to its default keeps torch's meaning (mode reduces the last axis, not all of them)
+    "mode_default_dim": (lambda x: torch.mode(x.round()), [rand(4, 4)]),
+    "median_all": (torch.median, [rand(4, 4)]),
+    # 0-d inputs: each device's component is one element, not an axis of the stacked components
+    **{f"{name}_0d": (fn, [rand()]) for name, fn in (
+        ("sum", torch.sum), ("sum_dim0", lambda x: x.sum(0)), ("mean", torch.mean), ("nanmean", torch.nanmean),
+        ("amax", torch.amax), ("amin_dim_neg1", lambda x: x.amin(-1)), ("var", lambda x: x.var(correction=0)),
+        ("logsumexp", lambda x: x.logsumexp(0)), ("aminmax", lambda x: torch.aminmax(x)),
+        ("prod", torch.prod), ("max_dim0", lambda x: x.max(0)))},
+    "argmin_0d": (lambda x: x.argmin(), [rand()]),
+    "count_0d": (lambda x: (x > 0).sum(), [rand()]),
     # -- softmax, layer norm, embedding, losses ----------------------------------------------------------------------
     **{f"{name}_dim{d}": (lambda x, fn=fn, d=d: fn(x, dim=d), [rand(4, 2, 4)])
        for name, fn in (("softmax", F.softmax), ("log_softmax", F.log_softmax)) for d in (0, 1, 2)},

@@ -20,12 +20,15 @@ aten = torch.ops.aten
 
 
 def arg(call: OpCall, name: str, default=None):
-    """The value of argument `name` of the op, positional or keyword."""
+    """The value of argument `name` of the op, positional or keyword; if absent, the schema's default (`mode`'s
+    `dim=-1`: torch's meaning of the call), else `default`."""
     for i, a in enumerate(call.func._schema.arguments):
         if a.name == name:
             if i < len(call.args):
                 return call.args[i]
-            return call.kwargs.get(name, default)
+            if name in call.kwargs:
+                return call.kwargs[name]
+            return a.default_value if a.has_default_value() else default
     return default
 
 
@@ -37,7 +40,7 @@ def reduce_rule(call: OpCall, mode: str, dims=None, keepdim=None) -> Decision:
     """mode: 'sum' | 'avg' | 'max' | 'min' (one all-reduce) or 'gather' (unshard the reduced axes first)."""
     spec = call.specs[0]
     r = spec.rank
-    dims = norm_dims(arg(call, "dim") if dims is None else dims, r)
+    dims = () if r == 0 else norm_dims(arg(call, "dim") if dims is None else dims, r)  # 0-d: dim 0/-1 or none
     keepdim = bool(arg(call, "keepdim", False)) if keepdim is None else keepdim
     axes = spec.axes
     if mode == "gather":
@@ -55,6 +58,8 @@ def _dims_kernel(call: OpCall, dims: tuple, r: int):
     func = call.func
     names = [a.name for a in func._schema.arguments]
     local_dims = [d + 1 for d in dims]
+    if r == 0:
+        return _full_kernel(call, r)
     if "dim" in names:
         dim_type = func._schema.arguments[names.index("dim")].type
         if isinstance(dim_type, torch.OptionalType):
@@ -68,25 +73,34 @@ def _dims_kernel(call: OpCall, dims: tuple, r: int):
 
 
 def _full_kernel(call: OpCall, r: int):
-    """Full reductions (no dim argument, or dim=None): reduce every axis but the stack axis."""
+    """Full reductions (no dim argument, or dim=None; any reduction of a 0-d input): reduce every axis but the
+    stack axis. A 0-d input's components are viewed as `(L, 1)`: each is reduced as a one-element axis."""
     func = call.func
-    dims = tuple(range(1, r + 1))
+    dims = tuple(range(1, r + 1)) or (1,)
+    as_axes = (lambda x: x) if r else (lambda x: x.unsqueeze(1))
     if func in (aten.sum.default, aten.mean.default):
         torch_fn = torch.sum if func is aten.sum.default else torch.mean
-        return lambda l, a, k: l[0].clone() if r == 0 else torch_fn(l[0], dim=dims, dtype=k.get("dtype"))
+        return lambda l, a, k: torch_fn(as_axes(l[0]), dim=dims, dtype=k.get("dtype"))
     if func in (aten.max.default, aten.min.default, aten.amax.default, aten.amin.default):
         torch_fn = torch.amax if func in (aten.max.default, aten.amax.default) else torch.amin
-        return lambda l, a, k: l[0].clone() if r == 0 else torch_fn(l[0], dim=dims)
+        return lambda l, a, k: torch_fn(as_axes(l[0]), dim=dims)
     names = [x.name for x in func._schema.arguments]
     if "dim" not in names:  # prod/any/all of everything: flatten each component, reduce its axis 1
         torch_fn = {aten.prod.default: torch.prod, aten.any.default: torch.any, aten.all.default: torch.all}[func]
         return lambda l, a, k: torch_fn(l[0].reshape(l[0].shape[0], -1), dim=1, **k)
-    # other ops with dim=None reduce the flattened tensor: flatten each component, reduce its axis 1
+    # other ops with dim=None reduce the flattened tensor: flatten each component, reduce its axis 1; with keepdim
+    # the result has r axes of size 1 (none for a 0-d input), as torch's
     inner = generic_kernel(func, arg_overrides={names.index("dim"): 1} if "dim" in names else None)
+    kept = (1,) * r if arg(call, "keepdim", False) else None
 
     def kernel(locals_, args, kwargs):
         x = locals_[0].reshape(locals_[0].shape[0], -1)
-        return inner([x] + list(locals_[1:]), args, kwargs)
+        out = inner([x] + list(locals_[1:]), args, kwargs)
+        if kept is None:
+            return out
+        if isinstance(out, torch.Tensor):
+            return out.reshape(out.shape[:1] + kept)
+        return type(out)(o.reshape(o.shape[:1] + kept) for o in out)
     return kernel
 
 

@@ -238,7 +238,11 @@ def indexed_rule(call: OpCall) -> Decision:
     same = [i for i in range(specs[0].rank) if i != dim and len({s.shape[i] for s in specs}) == 1]
     merged = _merged(specs, skip=dim)
     axes = tuple(m if i in same else None for i, m in enumerate(merged))
-    return Decision((axes,) * len(specs), (axes,), generic_kernel(call.func, arg_overrides={1: dim + 1}))
+    kernel = generic_kernel(call.func, arg_overrides={1: dim + 1})
+    if specs[0].rank == 0:  # torch treats a 0-d operand as one element along dim 0: so do its components
+        inner = kernel
+        kernel = lambda l, a, k: inner([x.unsqueeze(1) for x in l], a, k).squeeze(1)  # noqa: E731
+    return Decision((axes,) * len(specs), (axes,), kernel)
 
 
 @register(aten.tril.default, aten.triu.default)
