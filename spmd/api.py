@@ -27,6 +27,7 @@ class Pack(torch.autograd.Function):
         ctx.devices = [c.device for c in components]
         device = layout.mesh.torch_device
         local = torch.stack([c.detach().to(device) for c in components])
+        layout.check_concrete()
         layout.check_divisible(layout.global_shape_from_local_shape(local.shape[1:]))
         return make(local, layout)
 

@@ -102,7 +102,10 @@ def demo(args, argv: list[str]) -> int:
         return _launch_clients(args.clients, argv)
     console = Console()
     if in_job:  # one client of a multi-client job (torchrun, `--clients`, or DTENSOR_JOBS): client 0 prints
-        size = math.prod(s for _, s in parse_mesh(args.mesh))
+        try:
+            size = math.prod(s for _, s in parse_mesh(args.mesh))
+        except ValueError as e:
+            raise SystemExit(f"spmd demo: error: {e}") from None
         clients = spmd.num_clients()
         if size % clients:
             raise SystemExit(f"--mesh {args.mesh} has {size} devices, which do not split over {clients} clients")
@@ -110,7 +113,10 @@ def demo(args, argv: list[str]) -> int:
                                            num_logical_cpu_devices=size // clients)
         console = Console(quiet=spmd.client_id() != 0)
     fields = {k: v for k, v in vars(args).items() if k in DemoArgs.__dataclass_fields__}
-    result = run(DemoArgs(**fields), console)
+    try:
+        result = run(DemoArgs(**fields), console)
+    except ValueError as e:  # a flag the demo cannot train with: one line, as argparse reports its own errors
+        raise SystemExit(f"spmd demo: error: {e}") from None
     return 0 if result.get("parity", True) else 1
 
 

@@ -128,8 +128,18 @@ class Layout:
     def global_shape_from_local_shape(self, local_shape: Sequence[int]) -> tuple[int, ...]:
         return tuple(s * n for s, n in zip(local_shape, self.num_shards_per_axis()))
 
+    def check_concrete(self) -> None:
+        """Raises `LayoutError` if an axis is `MATCH`, which only `relayout` understands."""
+        if MATCH in self._specs:
+            raise LayoutError(
+                f"layout {self.sharding_specs} has MATCH on axis {self._specs.index(MATCH)}: MATCH only serves "
+                "relayout (keep that axis's sharding); a tensor is created, packed or copied with a mesh dimension "
+                "or UNSHARDED on each axis")
+
     def check_divisible(self, global_shape: Sequence[int]) -> None:
-        """Raises `IndivisibleError` unless every sharded axis of `global_shape` splits evenly."""
+        """Raises `IndivisibleError` unless every sharded axis of `global_shape` splits evenly (and `LayoutError`
+        for a `MATCH` axis: see `check_concrete`)."""
+        self.check_concrete()
         if len(global_shape) != self.rank:
             raise LayoutError(f"a tensor of shape {list(global_shape)} (rank {len(global_shape)}) cannot take "
                               f"layout {self.sharding_specs} of rank {self.rank}")
@@ -177,6 +187,8 @@ class Layout:
 
     @classmethod
     def from_string(cls, layout_str: str) -> "Layout":
+        if not isinstance(layout_str, str):
+            raise TypeError(f"Layout.from_string expects a str, got {type(layout_str).__name__}")
         head, sep, mesh_str = layout_str.partition(" mesh:")
         if not sep or not head.startswith("sharding_specs:"):
             raise LayoutError(f"Expected 'sharding_specs:<specs>, mesh:<mesh>', got {layout_str!r}")

@@ -24,6 +24,9 @@ _JOB_PREFIX = "/job:localhost/replica:0/task:0"
 _FULL_DEVICE = re.compile(r"^/job:([^/]+)/replica:(\d+)/task:(\d+)/device:([A-Za-z_]+):(\d+)$")
 _SHORT_DEVICE = re.compile(r"^(?:/?device:)?([A-Za-z_]+):(\d+)$")
 _DEVICE_TYPES = {"CPU": "CPU", "GPU": "GPU", "CUDA": "GPU", "TPU": "TPU"}
+MAX_VIRTUAL_DEVICES = 1 << 16  # virtual devices of one in-process mesh (each holds a component in this process)
+_RESERVED_NAMES = frozenset({"unsharded", "match"})  # layout.UNSHARDED and layout.MATCH (layout imports mesh)
+_SEPARATORS = frozenset(",|=")
 
 
 def canonical_device(device: str | torch.device, job_prefix: str = _JOB_PREFIX) -> str:
@@ -93,6 +96,12 @@ class Mesh:
         if not np.array_equal(flat, np.arange(flat[0], flat[0] + flat.size)):
             raise LayoutError(f"global_device_ids must sequentially increase: {flat.tolist()}")
         dim_names = [str(n) for n in dim_names]
+        for n in dim_names:
+            if n in _RESERVED_NAMES or not n or _SEPARATORS.intersection(n):
+                raise LayoutError(
+                    f"mesh dimension name {n!r} is not allowed: 'unsharded' and 'match' are layout keywords, and "
+                    f"a name needs at least one character and none of {''.join(sorted(_SEPARATORS))!r} (they "
+                    "separate the fields of a mesh's string form)")
         if len(dim_names) != ids.ndim:
             raise LayoutError(f"Number of mesh dimensions ({ids.ndim}, shape {list(ids.shape)}) does not match "
                               f"number of dimension names {dim_names}.")
@@ -236,6 +245,8 @@ class Mesh:
 
     @classmethod
     def from_string(cls, mesh_str: str) -> "Mesh":
+        if not isinstance(mesh_str, str):
+            raise TypeError(f"Mesh.from_string expects a str, got {type(mesh_str).__name__}")
         parts = mesh_str.split("|")
         if len(parts) not in (5, 6) or "=" not in parts[1]:
             raise LayoutError(f"Input string is invalid: {mesh_str}")
@@ -247,6 +258,8 @@ class Mesh:
             local = [int(i) for i in local_ids.split(",")] if local_ids else []
         except ValueError as e:
             raise LayoutError(f"Input string is invalid: {mesh_str} ({e})") from None
+        if any(size <= 0 for size in sizes):
+            raise LayoutError(f"mesh dimension sizes must be positive, got {sizes} in {mesh_str}")
         if math.prod(sizes) != len(ids):
             raise LayoutError(f"mesh size doesn't match number of devices: {mesh_str}")
         devices = local_devices.split(",") if local_devices else []
@@ -361,6 +374,9 @@ def _default_devices(dims: list, device_type: str) -> list[str]:
         count = torch.cuda.device_count()
     elif dims and all(size > 0 for _, size in dims):
         count = math.prod(size for _, size in dims)
+        if count > MAX_VIRTUAL_DEVICES:
+            raise LayoutError(f"a mesh of shape {[size for _, size in dims]} has {count:,} devices; this process "
+                              f"holds every virtual device's component, and at most {MAX_VIRTUAL_DEVICES:,} of them")
     else:
         count = 1
     return [f"{device_type}:{i}" for i in range(count)]

@@ -45,6 +45,31 @@ def parse_mesh(text: str) -> list[tuple[str, int]]:
     return dims
 
 
+def check_args(args: DemoArgs, mesh_dims: list[tuple[str, int]], vocab: int, corpus_len: int) -> None:
+    """Raises `ValueError`, in the flags' terms, for settings the demo cannot train with."""
+    for flag, value, least in (("steps", args.steps, 1), ("batch-size", args.batch_size, 1),
+                               ("block-size", args.block_size, 2), ("n-layer", args.n_layer, 1),
+                               ("n-head", args.n_head, 1), ("d-model", args.d_model, 1)):
+        if value < least:
+            raise ValueError(f"--{flag} must be at least {least}, got {value}")
+    if args.block_size >= corpus_len - 1:
+        raise ValueError(f"--block-size must be below {corpus_len - 1} (the corpus has {corpus_len} characters)")
+    if args.d_model % args.n_head:
+        raise ValueError(f"--d-model {args.d_model} must divide into --n-head {args.n_head} heads")
+    if not 0 <= args.dropout < 1 or not args.lr > 0:
+        raise ValueError(f"--dropout must be in [0, 1) and --lr positive, got {args.dropout} and {args.lr}")
+    dims = dict(mesh_dims)
+    if len(dims) != len(mesh_dims) or any(size < 1 for size in dims.values()):
+        raise ValueError(f"--mesh {args.mesh!r} needs distinct dimension names with sizes of at least 1")
+    needs = {"batch": {"--batch-size": args.batch_size},
+             "model": {"--n-head": args.n_head, "--d-model": args.d_model, "the vocabulary": vocab}}
+    for dim, sizes in needs.items():
+        for what, size in sizes.items():
+            if size % dims.get(dim, 1):
+                raise ValueError(f"mesh dimension {dim}={dims[dim]} (--mesh {args.mesh!r}) must divide {what} "
+                                 f"({size})")
+
+
 def load_corpus() -> tuple[torch.Tensor, int]:
     """The bundled text as character ids, and a vocabulary size rounded up to a multiple of 16 (so that it
     splits over a model axis)."""
@@ -159,6 +184,7 @@ def run(args: DemoArgs, console: Console | None = None) -> dict:
     console = console or Console()
     data, vocab = load_corpus()
     mesh_dims = parse_mesh(args.mesh)
+    check_args(args, mesh_dims, vocab, len(data))
     n = math.prod(size for _, size in mesh_dims)
     if spmd.runtime.is_initialized() and spmd.num_clients() > 1:  # this client's share of the devices
         mesh = spmd.create_distributed_mesh(mesh_dims, local_devices=_devices(n // spmd.num_clients(), args.device))
