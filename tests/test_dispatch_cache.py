@@ -1,5 +1,7 @@
 """The sharding-decision cache: float arguments a rule decides on are part of the key; pointwise ops' are not."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -32,3 +34,12 @@ def test_pointwise_float_arguments_do_not_grow_the_cache():
     for step in range(1, 50):  # an optimizer's changing step size
         d.add_(d, alpha=1.0 / step)
     assert spmd.cache_stats()["size"] == size
+
+
+def test_ops_that_fell_back_are_listed(mesh22):
+    t = spmd.copy_to_mesh(torch.randn(4, 4), spmd.Layout(["x", "y"], mesh22))
+    with pytest.warns(UserWarning, match="no sharding rule for aten.nansum.default") if \
+            "aten.nansum.default" not in spmd.cache_stats()["fallbacks"] else contextlib.nullcontext():
+        torch.testing.assert_close(spmd.to_global(t.nansum()), spmd.to_global(t).nansum())
+    assert "aten.nansum.default" in spmd.cache_stats()["fallbacks"]
+    assert "aten.mm.default" not in spmd.cache_stats()["fallbacks"]

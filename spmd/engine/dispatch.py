@@ -53,8 +53,9 @@ class _Plan:
 
 
 def cache_stats() -> dict:
-    """Misses of the sharding-decision cache and its size (for benchmarks and tests)."""
-    return dict(_STATS, size=len(_CACHE))
+    """Misses of the sharding-decision cache, its size, and `fallbacks`: the ops that ran on replicated inputs
+    for want of a sharding rule (each gathers its sharded inputs on every device)."""
+    return dict(_STATS, size=len(_CACHE), fallbacks=sorted(str(f) for f in _FELL_BACK))
 
 
 def _sig(a, tensors, blind=False):
@@ -319,7 +320,7 @@ def _kernel(decision: Decision, mesh, args, kwargs):
     return kernel if specialize is None else specialize(args, kwargs)
 
 
-_WARNED: set = set()
+_FELL_BACK: set = set()  # ops that ran through the replicated fallback (each warned about once)
 
 
 def _fallback_decision(call: OpCall) -> Decision:
@@ -338,8 +339,8 @@ def _fallback_decision(call: OpCall) -> Decision:
         raise unsupported(call, f"it has no meta implementation ({type(e).__name__})") from None
     single = len(schema.returns) == 1
     outs = (out,) if single else tuple(out)
-    if func not in _WARNED:
-        _WARNED.add(func)
+    if func not in _FELL_BACK:
+        _FELL_BACK.add(func)
         warnings.warn(f"spmd: no sharding rule for {func}; running it on replicated inputs (this gathers "
                       "sharded inputs on every device)", stacklevel=4)
     local = generic_kernel(func)
