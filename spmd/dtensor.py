@@ -61,7 +61,7 @@ class DTensor(torch.Tensor):
         # the global tensor's strides follow the components' memory order (a transposed weight looks transposed),
         # so torch's own stride logic (AccumulateGrad's layout contract, `.contiguous()`, torch.compile's guards)
         # sees what the components are
-        strides = None if local.is_contiguous() else _global_strides(local, shape)
+        strides = None if local.is_contiguous() else dense_strides(local, shape)
         out = torch.Tensor._make_wrapper_subclass(cls, shape, strides=strides, dtype=local.dtype,
                                                   device=local.device, requires_grad=requires_grad)
         out._stack = local
@@ -208,8 +208,9 @@ DTensor.__rtruediv__ = lambda self, other: torch.reciprocal(self) * other  # as 
 DTensor.__hash__ = torch.Tensor.__hash__  # defining __eq__ would otherwise make DTensors unhashable
 
 
-def _global_strides(local: torch.Tensor, shape: Sequence[int]) -> tuple[int, ...]:
-    """Contiguous strides for `shape` in the memory order of the component axes (the stack axis left out)."""
+def dense_strides(local: torch.Tensor, shape: Sequence[int]) -> tuple[int, ...]:
+    """Contiguous strides for `shape` in the memory order of the component axes of the stack `local` (the stack
+    axis left out): the global tensor's strides."""
     order = sorted(range(len(shape)), key=lambda a: (local.stride(a + 1), a), reverse=True)  # outermost first
     strides, step = [0] * len(shape), 1
     for a in reversed(order):

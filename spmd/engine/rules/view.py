@@ -13,6 +13,7 @@ from dataclasses import replace
 
 import torch
 
+from spmd.dtensor import dense_strides
 from spmd.engine.registry import lookup, register
 from spmd.engine.decision import Decision, OpCall, unsupported
 from spmd.engine.rules.common import generic_kernel, norm_dim
@@ -243,6 +244,33 @@ def indexed_rule(call: OpCall) -> Decision:
         inner = kernel
         kernel = lambda l, a, k: inner([x.unsqueeze(1) for x in l], a, k).squeeze(1)  # noqa: E731
     return Decision((axes,) * len(specs), (axes,), kernel)
+
+
+@register(aten.as_strided.default, aten.as_strided_copy.default, aten.as_strided_scatter.default)
+def as_strided_rule(call: OpCall) -> Decision:
+    """`as_strided` addresses the global tensor's memory, which only a replicated component holds whole: inputs
+    are replicated, and each component is viewed with the requested strides at its own place in the stack, so
+    the result is a real view (autograd's backward of a view writes through one). A sharded input is gathered
+    first; the dispatcher then marks the result as a copy, and an in-place op on it is refused."""
+    specs = call.specs
+    whole = tuple((None,) * s.rank for s in specs)
+    size, stride = tuple(arg(call, "size")), tuple(arg(call, "stride"))
+    offset = arg(call, "storage_offset") or 0
+    scatter = call.func is aten.as_strided_scatter.default
+
+    def view(x):  # each component `x[j]` viewed as `x[j].as_strided(size, stride, offset)`
+        if x.stride()[1:] != dense_strides(x, x.shape[1:]):  # not the memory the global strides describe
+            x = x.contiguous()
+        return x.as_strided((x.shape[0],) + size, (x.stride(0),) + stride, x.storage_offset() + offset)
+
+    def kernel(locals_, args, kwargs):
+        if scatter:
+            out = locals_[0].clone()
+            view(out).copy_(locals_[1])
+            return out
+        return view(locals_[0]).clone() if call.func is aten.as_strided_copy.default else view(locals_[0])
+    return Decision(whole, ((None,) * len(size),), kernel)
+
 
 
 @register(aten.tril.default, aten.triu.default)
