@@ -499,3 +499,29 @@ def test_as_strided_addresses_the_global_tensor(fn, inputs, grad):
     """as_strided reads the global tensor's memory (its backward writes through a view of a fresh buffer): values
     and gradients equal torch's for every layout."""
     check_op(lambda *t: fn(*t) * 1, inputs, grad=grad)
+
+
+@pytest.mark.parametrize("fn", [lambda t: torch.diagonal(t), lambda t: torch.diagonal(t, 1),
+                                lambda t: t.diagonal(-1, 1, 0), lambda t: torch.linalg.qr(t).Q, lambda t: torch.linalg.qr(t).R,
+                                lambda t: torch.linalg.svd(t).U.abs(), lambda t: torch.linalg.svdvals(t)],
+                         ids=["diagonal", "diagonal_offset", "diagonal_transposed", "qr_Q", "qr_R", "svd_U", "svdvals"])
+def test_linear_algebra_and_diagonal_views(fn):
+    """Composite backwards write through views (`diagonal(...).mul_`): the views must be real."""
+    check_op(fn, [rand(4, 4)])
+
+
+@pytest.mark.parametrize("fn", [lambda z: z.conj() * 2, lambda z: torch.view_as_real(z.conj().resolve_conj()),
+                                lambda z: (z.conj() + z).real, lambda z: torch.fft.ihfft(z.real).abs(),
+                                lambda z: torch.polar(z.abs(), z.angle()).abs()],
+                         ids=["conj_mul", "conj_view_as_real", "conj_add", "ihfft", "polar"])
+def test_lazy_conjugation_is_computed(mesh22, fn):
+    """torch's lazy conjugate is a bit its kernels read; a DTensor's components never carry it."""
+    z = torch.randn(4, 4, dtype=torch.complex128, generator=torch.Generator().manual_seed(0))
+    for layout in all_layouts(mesh22, (4, 4)):
+        torch.testing.assert_close(gather(fn(spmd.copy_to_mesh(z, layout))), fn(z))
+
+
+def test_in_place_op_on_a_computed_view_is_refused(mesh22):
+    z = spmd.copy_to_mesh(torch.randn(4, 4, dtype=torch.complex128), spmd.Layout(["x", spmd.UNSHARDED], mesh22))
+    with pytest.raises(spmd.UnsupportedOpError, match="in-place op on a view"):
+        z.conj().add_(1)

@@ -97,6 +97,7 @@ class Decision:
     rebinds: bool = False
     single: bool = True  # the op returns one tensor rather than a tuple
     keeps: tuple[int, ...] = ()
+    copies: bool = False  # a view op whose result does not share the input's memory: in-place ops on it are refused
 
 
 def unsupported(call: OpCall, why: str = "") -> UnsupportedOpError:

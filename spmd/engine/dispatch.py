@@ -303,7 +303,7 @@ def _plan_from_decision(decision: Decision, call: OpCall, tensors, args, kwargs)
         backend_for(mesh)  # a mesh this process cannot communicate over fails here, not where it is consumed
     is_view = any(r.alias_info is not None for r in call.func._schema.returns)
     return _Plan(decision, _kernel(decision, mesh, args, kwargs), settle, in_steps, out_layouts, out_pending,
-                 out_steps, mesh, copied_view=is_view and bool(in_steps))
+                 out_steps, mesh, copied_view=is_view and (bool(in_steps) or decision.copies))
 
 
 def _kernel(decision: Decision, mesh, args, kwargs):
@@ -352,5 +352,7 @@ def _fallback_decision(call: OpCall) -> Decision:
         res = tuple(r.unsqueeze(0).expand((n,) + tuple(r.shape)).contiguous() for r in res)
         return res[0] if single else res
 
+    # a view op computed this way returns a copy: an in-place op on it must be refused, not lost
+    is_view = any(r.alias_info is not None for r in schema.returns)
     return Decision(tuple(tuple([None] * len(s.shape)) for s in call.specs),
-                    tuple(tuple([None] * o.dim()) for o in outs), kernel, single=single)
+                    tuple(tuple([None] * o.dim()) for o in outs), kernel, single=single, copies=is_view)

@@ -131,8 +131,18 @@ def like_rule(call: OpCall) -> Decision:
                     generic_kernel(call.func), inplace=is_inplace(call.func))
 
 
-register(aten.clone, aten.alias, aten.detach, aten.lift_fresh, aten.fill_, aten.zero_, aten.positive, aten._conj,
+register(aten.clone, aten.alias, aten.detach, aten.lift_fresh, aten.fill_, aten.zero_, aten.positive,
          aten.conj_physical, floats_at_run_time=True)(like_rule)
+
+
+@register(aten._conj.default, aten._neg_view.default)
+def lazy_view_rule(call: OpCall) -> Decision:
+    """torch's lazy conjugate and negation are bits on a tensor that its kernels read; a DTensor's components
+    must not carry them (the wrapper, which torch checks, would not), so the values are computed. The result is
+    then a copy, not a view: an in-place op on it is refused rather than lost."""
+    axes = call.specs[0].axes
+    compute = torch.conj_physical if call.func is aten._conj.default else torch.neg
+    return Decision((axes,), (axes,), lambda l, a, k: compute(l[0]), copies=True)
 
 
 @register(aten.zeros_like, aten.ones_like, aten.empty_like, aten.full_like, floats_at_run_time=True)

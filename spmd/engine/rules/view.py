@@ -246,6 +246,18 @@ def indexed_rule(call: OpCall) -> Decision:
     return Decision((axes,) * len(specs), (axes,), kernel)
 
 
+@register(aten.diagonal.default)
+def diagonal_rule(call: OpCall) -> Decision:
+    """A real view of each component: the two axes of the diagonal are unsharded (the result's last axis runs
+    along both), the others keep their sharding."""
+    spec = call.specs[0]
+    d1, d2 = norm_dim(arg(call, "dim1"), spec.rank), norm_dim(arg(call, "dim2"), spec.rank)
+    offset = arg(call, "offset")
+    axes = tuple(None if i in (d1, d2) else m for i, m in enumerate(spec.axes))
+    out = tuple(m for i, m in enumerate(axes) if i not in (d1, d2)) + (None,)
+    return Decision((axes,), (out,), lambda l, a, k: l[0].diagonal(offset, d1 + 1, d2 + 1))
+
+
 @register(aten.as_strided.default, aten.as_strided_copy.default, aten.as_strided_scatter.default)
 def as_strided_rule(call: OpCall) -> Decision:
     """`as_strided` addresses the global tensor's memory, which only a replicated component holds whole: inputs
