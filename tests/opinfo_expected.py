@@ -1,1 +1,96 @@
-"""placeholder"""
+"""The reviewed expectations of the OpInfo sweep (`tests/test_opinfo.py`), keyed by OpInfo id (`name.variant`).
+
+UNSUPPORTED is exact in both directions: a listed phase that starts to work fails the test until its entry goes,
+as does an unlisted one that raises. KNOWN_BUGS are strict xfails: a fix fails the test until its entry goes.
+`python tests/test_opinfo.py` prints which entries are out of date.
+"""
+
+# -- ops not swept --------------------------------------------------------------------------------------------------
+# Their values are random or uninitialised, so no two runs agree, or their tensors are sparse. (spmd's own random
+# ops are layout-invariant but draw other numbers than torch's generator: tests/test_ops_sweep.py checks them.)
+_RANDOM = ["bernoulli", "cauchy", "exponential", "geometric", "log_normal", "multinomial", "normal",
+           "normal.in_place", "normal.number_mean", "uniform", "rand_like", "randn_like", "randint_like", "randn",
+           "randint", "nn.functional.dropout", "nn.functional.dropout2d", "nn.functional.dropout3d",
+           "nn.functional.alpha_dropout", "nn.functional.feature_alpha_dropout.with_train", "nn.functional.rrelu",
+           "nn.functional.fractional_max_pool2d", "nn.functional.fractional_max_pool3d", "svd_lowrank",
+           "pca_lowrank",
+           "nn.functional.multi_head_attention_forward"]  # its samples train with dropout_p=0.5
+_UNINITIALISED = ["empty", "empty_like", "empty_permuted", "empty_strided", "new_empty", "new_empty_strided"]
+_SPARSE = ["sparse.sampled_addmm", "sparse.mm.reduce", "to_sparse"]
+SKIPPED = ({name: "random values" for name in _RANDOM}
+           | {name: "uninitialised memory" for name in _UNINITIALISED}
+           | {name: "sparse tensors" for name in _SPARSE})
+
+# -- spmd raises UnsupportedOpError or MixedTensorError (op -> phases) ----------------------------------------------
+_FORWARD, _BACKWARD, _BOTH = ("forward",), ("backward",), ("forward", "backward")
+UNSUPPORTED = {
+    # no rule, and torch has no meta kernel to check the call on, or the output's shape depends on values
+    "geqrf": _FORWARD, "masked_select": _FORWARD, "unique": _FORWARD, "unique_consecutive": _FORWARD,
+    "nonzero": _FORWARD, "argwhere": _FORWARD, "histogram": _FORWARD, "histogramdd": _FORWARD,
+    "repeat_interleave": _FORWARD, "linalg.lstsq": _FORWARD, "linalg.lstsq.grad_oriented": _FORWARD,
+    "pinverse": _FORWARD, "linalg.pinv": _FORWARD, "nn.functional.ctc_loss": _BOTH,
+    "nn.functional.multi_margin_loss": _BACKWARD, "nn.functional.multilabel_margin_loss": _BACKWARD,
+    "index_fill": _BACKWARD,  # its backward calls aten._unique
+    # no rule for ops whose outputs are not one plain tensor (None, bool, a list)
+    "allclose": _FORWARD, "unsafe_chunk": _FORWARD, "unsafe_split": _FORWARD, "split_with_sizes_copy": _FORWARD,
+    "unbind_copy": _FORWARD, "_native_batch_norm_legit": _FORWARD, "_batch_norm_with_update": _FORWARD,
+    # backward formulas that run an in-place op (tril_) with no rule
+    "ormqr": _BACKWARD, "linalg.householder_product": _BACKWARD,
+    # torch makes a plain tensor inside the op (an arange, a zeros for an unused output's gradient, a 1-element
+    # tensor) and mixes it with DTensors
+    "combinations": _FORWARD, "quantile": _FORWARD, "__getitem__": _FORWARD,
+    "nn.functional.scaled_dot_product_attention": _FORWARD, "linalg.matrix_rank": _FORWARD,
+    "linalg.matrix_rank.hermitian": _FORWARD, "masked.var": _FORWARD, "masked.std": _FORWARD,
+    "chunk": _BACKWARD, "split": _BACKWARD, "split.list_args": _BACKWARD, "split_with_sizes": _BACKWARD,
+    "unbind": _BACKWARD, "cumprod": _BACKWARD, "cummax": _BACKWARD, "cummin": _BACKWARD, "prod": _BACKWARD,
+    "masked.prod": _BACKWARD, "masked.cumprod": _BACKWARD, "trace": _BACKWARD, "diagonal_scatter": _BACKWARD,
+    "select_scatter": _BACKWARD, "slice_scatter": _BACKWARD, "as_strided": _BACKWARD, "as_strided_copy": _BACKWARD,
+    "index_put": _BACKWARD, "put": _BACKWARD, "lu_unpack": _BACKWARD, "linalg.vander": _BACKWARD,
+    "mvlgamma.mvlgamma_p_1": _BACKWARD, "mvlgamma.mvlgamma_p_3": _BACKWARD, "mvlgamma.mvlgamma_p_5": _BACKWARD,
+    "nn.functional.linear_cross_entropy.chunked_none": _BACKWARD,
+}
+
+# -- known bugs: a wrong answer or another exception (strict xfails) ----------------------------------------------
+_CHANNELS_LAST = "memory_format=torch.channels_last on a 4-d tensor: RuntimeError (the stacked components are 5-d)"
+_ZERO_GRAD = "a zero gradient (torch's _efficientzerotensor) comes back as a plain tensor, not a DTensor"
+_ZEROS_GRAD = "the backward formula makes the gradient with aten.zeros(sizes): a plain tensor, not a DTensor"
+_DIM_OF_0D = "dim=0 of a 0-d tensor: IndexError (the dim is shifted past the stacked components' one axis)"
+KNOWN_BUGS = {
+    "to": _CHANNELS_LAST,
+    **{name: _CHANNELS_LAST for name in ["bfloat16", "bool", "byte", "char", "double", "float", "half", "int",
+                                         "long", "short", "cdouble", "cfloat", "chalf"]},
+    "copysign": _ZERO_GRAD, "nextafter": _ZERO_GRAD, "sgn": _ZERO_GRAD,
+    "repeat": _ZEROS_GRAD + " (a repeat count of 0)", "tile": _ZEROS_GRAD + " (a repeat count of 0)",
+    "max_pool2d_with_indices_backward": _ZEROS_GRAD,
+    "cummax": _DIM_OF_0D + " (backward)", "cummin": _DIM_OF_0D + " (backward)",
+    "unbind": "backward of a 1-d tensor's unbind: RuntimeError, a gradient of shape [1] for a [5] input",
+    "tensor_split": "indices given as a tensor: RuntimeError, torch reads the data of the DTensor wrapper",
+    "linalg.matrix_rank": "returns a plain tensor, not a DTensor, for an empty batch of matrices (2, 0, 0)",
+    "linalg.matrix_rank.hermitian": "returns a plain tensor, not a DTensor, for an empty batch of matrices",
+}
+
+# -- the default run: ops across the families, a few known bugs among them ----------------------------------------
+DEFAULT_OPS = [
+    # elementwise
+    "abs", "exp", "sin", "tanh", "sigmoid", "nan_to_num", "clamp", "add", "mul", "div.no_rounding_mode", "pow",
+    "maximum", "atan2", "where", "lerp", "addcmul", "masked_fill", "copysign", "sgn",
+    # reductions and scans
+    "sum", "mean", "var", "std", "amax", "argmax", "prod", "logsumexp", "norm", "max.reduction_with_dim", "topk",
+    "sort", "cumsum",
+    # views, reshapes, joins
+    "reshape", "view", "permute", "transpose", "expand", "squeeze", "unsqueeze", "flatten", "narrow", "select",
+    "chunk", "split", "cat", "stack", "flip", "roll", "repeat", "diagonal", "tril", "triu",
+    # indexing
+    "gather", "scatter", "index_select", "index_add", "take_along_dim", "__getitem__",
+    # contractions and linalg
+    "mm", "bmm", "matmul", "einsum", "addmm", "linalg.vector_norm", "linalg.svd", "linalg.det", "linalg.inv",
+    "linalg.qr",
+    # nn.functional
+    "nn.functional.linear", "nn.functional.conv2d", "nn.functional.layer_norm", "softmax", "log_softmax",
+    "nn.functional.gelu", "nn.functional.silu", "nn.functional.embedding", "nn.functional.cross_entropy",
+    "nn.functional.mse_loss", "nn.functional.max_pool2d", "nn.functional.avg_pool2d",
+    "nn.functional.interpolate.bilinear", "nn.functional.pad.constant", "nn.functional.group_norm",
+    "nn.functional.scaled_dot_product_attention",
+    # fft, conversions
+    "fft.fft", "fft.rfft", "fft.irfft", "fft.hfft2", "fft.fftshift", "float",
+]

@@ -525,3 +525,26 @@ def test_in_place_op_on_a_computed_view_is_refused(mesh22):
     z = spmd.copy_to_mesh(torch.randn(4, 4, dtype=torch.complex128), spmd.Layout(["x", spmd.UNSHARDED], mesh22))
     with pytest.raises(spmd.UnsupportedOpError, match="in-place op on a view"):
         z.conj().add_(1)
+
+
+@pytest.mark.parametrize("fn", [lambda t: t.cumsum(0), lambda t: t.cumprod(-1), lambda t: t.flip(0),
+                                lambda t: t.softmax(0), lambda t: t.log_softmax(-1), lambda t: t.sort(0).values,
+                                lambda t: t.topk(1).values],
+                         ids=["cumsum", "cumprod", "flip", "softmax", "log_softmax", "sort", "topk"])
+def test_ops_along_dim_0_of_a_0d_tensor(fn):
+    """torch reads a 0-d tensor as one element along dim 0."""
+    check_op(fn, [rand()])
+
+
+def test_gather_along_dim_0_of_a_0d_tensor():
+    check_op(lambda t, i: t.gather(0, i), [rand(), Const(torch.tensor(0))])
+
+
+@pytest.mark.parametrize("fn, grad", [
+    (lambda t, e: torch.frexp(t).mantissa, False),  # two outputs
+    (lambda t, e: t.clone().transpose_(0, 1), True),
+    (lambda t, e: torch.linalg.inv(t + e), True),  # linalg checks its info codes
+    (lambda t, e: torch.linalg.solve(t + e, t), True),
+], ids=["frexp", "transpose_", "inv", "solve"])
+def test_ops_torch_composes_unusually(fn, grad):
+    check_op(fn, [rand(4, 4), Const(4 * torch.eye(4, dtype=torch.float64))], grad=grad)

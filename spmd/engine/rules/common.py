@@ -3,6 +3,7 @@ constants a kernel needs (shard offsets)."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import torch
@@ -120,3 +121,30 @@ def shard_starts(call: OpCall, mesh_dim: str, block: int, ndim: int) -> Callable
     starts = [mesh.device_location(i - base)[mesh.axis_index(mesh_dim)] * block for i in mesh.local_device_ids()]
     shape = (call.num_local,) + (1,) * ndim
     return constant(lambda: torch.tensor(starts, device=mesh.torch_device).view(shape))
+
+
+def zero_d_as_one_element(rule: Callable) -> Callable:
+    """For a rule of an op along a `dim`: torch reads a 0-d `self` as one element along dim 0 (`cumsum(0)`,
+    `flip(0)`, `index_select(0, i)` of a 0-d tensor), so decide as for shape (1,) and view each 0-d component so;
+    the results, 1-element along the new axis, are 0-d again."""
+    def decide(call: OpCall):
+        if call.specs[0].rank:
+            return rule(call)
+        zero_d = [s.rank == 0 for s in call.specs]
+        one = dataclasses.replace(call, args=tuple(_one_element(a) for a in call.args),
+                                  kwargs={k: _one_element(v) for k, v in call.kwargs.items()})
+        decision = rule(one)
+        inner = decision.kernel
+
+        def kernel(locals_, args, kwargs):
+            out = inner([x.unsqueeze(1) if z else x for x, z in zip(locals_, zero_d)], args, kwargs)
+            return out.squeeze(1) if isinstance(out, torch.Tensor) else type(out)(o.squeeze(1) for o in out)
+        return dataclasses.replace(
+            decision, kernel=kernel, inputs=tuple(() if z else axes for z, axes in zip(zero_d, decision.inputs)),
+            outputs=tuple(None if o is None else () for o in decision.outputs))
+    decide.__name__, decide.__doc__ = rule.__name__, rule.__doc__
+    return decide
+
+
+def _one_element(a):
+    return TensorSpec((None,), (1,), a.dtype, a.pending) if isinstance(a, TensorSpec) and not a.shape else a

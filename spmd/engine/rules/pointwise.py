@@ -94,6 +94,9 @@ def pointwise_rule(call: OpCall) -> Decision:
         raise unsupported(call, "in-place op whose result would broadcast self")
     inputs, views = aligned_inputs(call, specs, out_axes, out_shape)
     kernel = generic_kernel(call.func, views=views if any(v is not None for v in views) else None)
+    n_out = len(call.func._schema.returns)  # frexp: mantissa and exponent
+    if n_out > 1:
+        return Decision(inputs, (out_axes,) * n_out, kernel, single=False)
     keeps, dims = _linear_in_pending(call, specs, out_axes)
     return Decision(inputs, (out_axes,), kernel, inplace=inplace, keeps=keeps, reduce=(dims,) if keeps else ())
 

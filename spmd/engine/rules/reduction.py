@@ -14,7 +14,7 @@ import torch
 
 from spmd.engine.registry import register
 from spmd.engine.decision import Decision, OpCall
-from spmd.engine.rules.common import generic_kernel, norm_dims
+from spmd.engine.rules.common import generic_kernel, norm_dims, zero_d_as_one_element
 
 aten = torch.ops.aten
 
@@ -141,6 +141,7 @@ def norm_rule(call: OpCall) -> Decision:
 
 @register(aten.cumsum.default, aten.cumprod.default, aten.sort.default, aten.sort.stable, aten.topk.default,
           aten._safe_softmax.default)
+@zero_d_as_one_element
 def scan_rule(call: OpCall) -> Decision:
     """Ops along one axis whose every output depends on the whole axis: that axis is gathered, others kept
     (also softmax's, through engine/rules/vocab_parallel.py, when the class axis is not sharded)."""
@@ -153,6 +154,7 @@ def scan_rule(call: OpCall) -> Decision:
         arg_index(call.func, "dim"): dim + 1}), single=n_out == 1)
 
 
+@zero_d_as_one_element
 def softmax_backward_rule(call: OpCall) -> Decision:
     grad, out = call.specs
     dim = arg(call, "dim") % grad.rank

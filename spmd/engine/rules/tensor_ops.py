@@ -42,6 +42,15 @@ def is_pinned_rule(call: OpCall) -> Decision:
     return Decision((spec.axes,), (None,), lambda l, a, k: l[0].is_pinned())
 
 
+@register(aten._linalg_check_errors.default)
+def check_errors_rule(call: OpCall) -> Decision:
+    """linalg's check of its info codes (returns nothing): each component's codes are checked where they are."""
+    def kernel(locals_, args, kwargs):
+        for info in locals_[0]:  # each device's codes (the check reads a matrix's code as a scalar)
+            call.func(info, *args[1:], **kwargs)
+    return Decision((call.specs[0].axes,), (None,), kernel)
+
+
 @register(torch.ops.spmd.relayout.default)
 def relayout_rule(call: OpCall) -> Decision:
     """`spmd::relayout`: the input is relayouted to the target layout by the dispatcher's planner; the kernel

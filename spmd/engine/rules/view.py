@@ -16,7 +16,7 @@ import torch
 from spmd.dtensor import dense_strides
 from spmd.engine.registry import lookup, register
 from spmd.engine.decision import Decision, OpCall, unsupported
-from spmd.engine.rules.common import generic_kernel, norm_dim
+from spmd.engine.rules.common import generic_kernel, norm_dim, zero_d_as_one_element
 from spmd.engine.rules.reduction import arg, arg_index
 
 aten = torch.ops.aten
@@ -231,6 +231,7 @@ def select_backward_rule(call: OpCall) -> Decision:
 
 
 @register(aten.gather.default, aten.scatter.src, aten.scatter.value, aten.scatter_add.default)
+@zero_d_as_one_element
 def indexed_rule(call: OpCall) -> Decision:
     """gather/scatter along `dim`: indices address the whole axis, so it is unsharded; another axis may stay
     sharded where every operand has the same size on it (element i of it only meets element i)."""
@@ -239,11 +240,7 @@ def indexed_rule(call: OpCall) -> Decision:
     same = [i for i in range(specs[0].rank) if i != dim and len({s.shape[i] for s in specs}) == 1]
     merged = _merged(specs, skip=dim)
     axes = tuple(m if i in same else None for i, m in enumerate(merged))
-    kernel = generic_kernel(call.func, arg_overrides={1: dim + 1})
-    if specs[0].rank == 0:  # torch treats a 0-d operand as one element along dim 0: so do its components
-        inner = kernel
-        kernel = lambda l, a, k: inner([x.unsqueeze(1) for x in l], a, k).squeeze(1)  # noqa: E731
-    return Decision((axes,) * len(specs), (axes,), kernel)
+    return Decision((axes,) * len(specs), (axes,), generic_kernel(call.func, arg_overrides={1: dim + 1}))
 
 
 @register(aten.diagonal.default)
@@ -281,7 +278,8 @@ def as_strided_rule(call: OpCall) -> Decision:
             view(out).copy_(locals_[1])
             return out
         return view(locals_[0]).clone() if call.func is aten.as_strided_copy.default else view(locals_[0])
-    return Decision(whole, ((None,) * len(size),), kernel)
+    out_rank = specs[0].rank if scatter else len(size)
+    return Decision(whole, ((None,) * out_rank,), kernel)
 
 
 
@@ -315,7 +313,9 @@ def inplace_view_rule(call: OpCall) -> Decision:
     """`squeeze_` and friends (torch.matmul of a 1-D operand uses them): the out-of-place op's decision; the
     dispatcher then rebinds the DTensor to its result (an in-place view op returns self)."""
     name = call.func._schema.name.split("::")[-1][:-1]
-    functional = getattr(getattr(aten, name), call.func._overloadname)
+    packet = getattr(aten, name)
+    overload = call.func._overloadname  # transpose_ is `default`, its functional op `int`
+    functional = getattr(packet, overload if overload in packet.overloads() else packet.overloads()[0])
     return replace(lookup(functional).rule(replace(call, func=functional)), rebinds=True)
 
 
@@ -333,6 +333,7 @@ def pad_rule(call: OpCall) -> Decision:
 
 
 @register(aten.roll.default, aten.flip.default)
+@zero_d_as_one_element
 def roll_rule(call: OpCall) -> Decision:
     """roll/flip move elements along their dims only (roll without dims: along the flattened tensor)."""
     spec = call.specs[0]
@@ -358,6 +359,7 @@ def repeat_rule(call: OpCall) -> Decision:
 
 
 @register(aten.index_select.default)
+@zero_d_as_one_element
 def index_select_rule(call: OpCall) -> Decision:
     """Rows picked along `dim` by replicated indices: that axis is whole on each device, others keep sharding."""
     spec, index = call.specs
@@ -368,6 +370,7 @@ def index_select_rule(call: OpCall) -> Decision:
 
 
 @register(aten.index_add.default)
+@zero_d_as_one_element
 def index_add_rule(call: OpCall) -> Decision:
     """index_select's gradient: rows of `source` added at replicated indices along `dim`, which is whole on each
     device; other axes are sharded alike in self and source (their sizes agree)."""
