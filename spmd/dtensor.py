@@ -10,6 +10,7 @@ from typing import Any, Sequence
 
 import numpy as np
 import torch
+import torch.utils._pytree as pytree
 from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 
 from spmd import shards
@@ -249,6 +250,12 @@ def make(local: torch.Tensor, layout: Layout, requires_grad: bool = False) -> DT
 def is_dtensor(tensor: Any) -> bool:
     """True for a DTensor (and a DVariable)."""
     return isinstance(tensor, DTensor)
+
+
+def pending_dtensors(results) -> list[DTensor]:
+    """The DTensors in `results` (nested lists, tuples, dicts) that carry a pending reduction: what a graph
+    resolves as it returns them."""
+    return [t for t in pytree.tree_leaves(results) if isinstance(t, DTensor) and t._pending]
 
 
 def fetch_layout(tensor: Any) -> Layout | None:

@@ -13,11 +13,10 @@ import os
 import pathlib
 
 import torch
-import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from spmd.collectives import Kind
-from spmd.dtensor import DTensor
+from spmd.dtensor import pending_dtensors
 from spmd.engine import dispatch
 from spmd.errors import TraceError
 from spmd.explain import Recorder
@@ -67,9 +66,8 @@ class _Watcher(torch.fx.Interpreter):
         before = len(self.explanation.collectives)
         out = super().run_node(node)
         if node.op == "output":  # a result's pending reduction runs as the graph returns it
-            for t in pytree.tree_leaves(out):
-                if isinstance(t, DTensor) and t._pending:
-                    dispatch.resolve(t)
+            for t in pending_dtensors(out):
+                dispatch.resolve(t)
         for c in self.explanation.collectives[before:]:
             if c.kind in self.kinds:
                 raise _Forbidden(self._message(node, c))

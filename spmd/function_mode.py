@@ -19,7 +19,7 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from spmd.api import copy_to_mesh, relayout
-from spmd.dtensor import DTensor
+from spmd.dtensor import DTensor, pending_dtensors
 from spmd.engine import dispatch
 from spmd.engine.propagation import hoist_relayouts
 from spmd.errors import TraceError
@@ -252,6 +252,5 @@ def _differentiate(outs, inputs) -> tuple:
 
 def _resolve_results(recorder: Recorder, results, backward: bool) -> None:
     """A compiled graph resolves the pending reductions of the DTensors it returns (see DTensor's flattening)."""
-    for t in pytree.tree_leaves(results):
-        if isinstance(t, DTensor) and t._pending:
-            recorder.result(t, dispatch.resolve, backward)
+    for t in pending_dtensors(results):
+        recorder.result(t, dispatch.resolve, backward)

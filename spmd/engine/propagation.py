@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from spmd.collectives import Kind
+from spmd.dtensor import is_dtensor
 from spmd.engine import planner
 from spmd.layout import Layout
 from spmd.ops import parse_layout
@@ -102,12 +103,12 @@ def _input_relayouts(producer, layout: Layout):
     """The (input node, its layout) pairs that make `producer` compute in `layout`, or None where moving the
     constraint would move data."""
     out = producer.meta.get("example_value")
-    if not _is_dtensor(out) or out._layout.mesh != layout.mesh:
+    if not is_dtensor(out) or out._layout.mesh != layout.mesh:
         return None
     moves = []
     for arg in producer.all_input_nodes:
         value = arg.meta.get("example_value")
-        if not _is_dtensor(value):
+        if not is_dtensor(value):
             if isinstance(value, torch.Tensor) and value.dim():
                 return None  # a plain tensor made inside the function: its layout is chosen by the op, not here
             continue
@@ -128,14 +129,10 @@ def _leaves_pending_sum(node) -> bool:
     if node.op != "call_function" or node.target not in _PRODUCTS or len(node.args) < 2:
         return False
     a, b = (getattr(n, "meta", {}).get("example_value") for n in node.args[:2])
-    if not (_is_dtensor(a) and _is_dtensor(b)) or b.dim() < 2:
+    if not (is_dtensor(a) and is_dtensor(b)) or b.dim() < 2:
         return False
     contracted = a._layout.axes[-1]
     return contracted is not None and contracted == b._layout.axes[-2]
 
 
 _PRODUCTS = {operator.matmul, torch.matmul, torch.mm, torch.bmm}
-
-
-def _is_dtensor(value) -> bool:
-    return getattr(value, "_layout", None) is not None
