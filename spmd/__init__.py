@@ -21,7 +21,7 @@ from spmd.runtime import (barrier, client_id, create_distributed_mesh, initializ
                           shutdown_accelerator_system)
 from spmd.function_mode import Function, function
 from spmd.nn import LayoutMap, Strategy, distribute_module
-from spmd.scope import default_mesh, get_default_mesh
+from spmd.scope import default_mesh, get_default_mesh, implicit_replication
 from spmd.variable import DVariable
 from spmd.visualize import visualize
 
@@ -30,7 +30,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Mesh", "MeshDimension", "Layout", "UNSHARDED", "MATCH", "create_mesh", "DTensor", "DVariable",
     "pack", "unpack", "fetch_layout", "check_layout", "is_dtensor", "relayout", "relayout_like", "copy_to_mesh",
-    "to_global", "call_with_layout", "default_mesh", "get_default_mesh", "zeros", "ones", "empty", "fill", "full",
+    "to_global", "call_with_layout", "default_mesh", "get_default_mesh", "implicit_replication", "zeros", "ones", "empty", "fill", "full",
     "zeros_like", "ones_like", "random", "checkpoint", "cache_stats", "LayoutError", "IndivisibleError", "MeshMismatchError",
     "MixedTensorError", "UnsupportedOpError", "DTensorDataset", "create_dtensor_iterable",
     "LayoutMap", "distribute_module", "Strategy", "visualize",

@@ -1,14 +1,16 @@
-"""`default_mesh`: the mesh that ops with no DTensor input (factories) use inside a scope."""
+"""Scopes that change how ops treat plain tensors: `default_mesh` (the mesh that factories use) and
+`implicit_replication` (plain tensors mixed with DTensors taken as replicated)."""
 
 from __future__ import annotations
 
 import contextlib
 
 from spmd.creation import FactoryMode, get_default_mesh
+from spmd.engine import dispatch
 from spmd.errors import LayoutError
 from spmd.mesh import Mesh
 
-__all__ = ["default_mesh", "get_default_mesh"]
+__all__ = ["default_mesh", "get_default_mesh", "implicit_replication"]
 
 
 class default_mesh(contextlib.ContextDecorator):
@@ -41,3 +43,25 @@ class default_mesh(contextlib.ContextDecorator):
     def __exit__(self, *exc):
         self._modes.pop().__exit__(*exc)
         return False
+
+
+@contextlib.contextmanager
+def implicit_replication():
+    """Inside the block, a plain tensor that meets DTensors in an op is taken as replicated on their mesh instead
+    of raising `MixedTensorError` — for tensors that torch makes inside an op's own implementation (`F.one_hot`'s
+    `arange`, the causal mask of the math attention kernel). It holds a global value, so results stay exact; the
+    price is one copy of it per device. An op writing into a plain tensor still raises. (Derivative formulas that
+    make plain tensors are always taken this way.)
+
+    >>> mesh = create_mesh([("x", 2)])
+    >>> labels = copy_to_mesh(torch.tensor([0, 2, 1, 2]), Layout(["x"], mesh))
+    >>> with implicit_replication():
+    ...     one_hot = torch.nn.functional.one_hot(labels, 3)
+    >>> fetch_layout(one_hot).sharding_specs, to_global(one_hot).sum(0).tolist()
+    (['x', 'unsharded'], [1, 1, 2])
+    """
+    dispatch.IMPLICIT_REPLICATION[0] += 1
+    try:
+        yield
+    finally:
+        dispatch.IMPLICIT_REPLICATION[0] -= 1

@@ -7,6 +7,7 @@ import torch
 
 from spmd.api import copy_to_mesh
 from spmd.dtensor import DTensor, keep_grad_layout
+from spmd.engine import foreach
 from spmd.errors import LayoutError, MeshMismatchError
 from spmd.layout import Layout
 
@@ -107,3 +108,6 @@ class DVariable(DTensor):
 
     def __repr__(self, *, tensor_contents=None) -> str:
         return "DVariable(" + super().__repr__()[len("DTensor("):]
+
+
+foreach.let_torch_optim_take(DTensor, DVariable)

@@ -36,17 +36,14 @@ UNSUPPORTED = {
     "unbind_copy": _FORWARD, "_native_batch_norm_legit": _FORWARD, "_batch_norm_with_update": _FORWARD,
     # backward formulas that run an in-place op (tril_) with no rule
     "ormqr": _BACKWARD, "linalg.householder_product": _BACKWARD,
-    # torch makes a plain tensor inside the op (an arange, a zeros for an unused output's gradient, a 1-element
-    # tensor) and mixes it with DTensors
+    # torch makes a plain tensor inside the op (an arange, a 1-element tensor) and mixes it with DTensors: they
+    # work under spmd.implicit_replication() (derivative formulas need no scope)
     "combinations": _FORWARD, "quantile": _FORWARD, "__getitem__": _FORWARD,
     "nn.functional.scaled_dot_product_attention": _FORWARD, "linalg.matrix_rank": _FORWARD,
     "linalg.matrix_rank.hermitian": _FORWARD, "masked.var": _FORWARD, "masked.std": _FORWARD,
-    "chunk": _BACKWARD, "split": _BACKWARD, "split.list_args": _BACKWARD, "split_with_sizes": _BACKWARD,
-    "unbind": _BACKWARD, "cumprod": _BACKWARD, "cummax": _BACKWARD, "cummin": _BACKWARD, "prod": _BACKWARD,
-    "masked.prod": _BACKWARD, "masked.cumprod": _BACKWARD, "trace": _BACKWARD, "diagonal_scatter": _BACKWARD,
-    "select_scatter": _BACKWARD, "slice_scatter": _BACKWARD, "as_strided": _BACKWARD, "as_strided_copy": _BACKWARD,
-    "index_put": _BACKWARD, "put": _BACKWARD, "lu_unpack": _BACKWARD, "linalg.vander": _BACKWARD,
-    "mvlgamma.mvlgamma_p_1": _BACKWARD, "mvlgamma.mvlgamma_p_3": _BACKWARD, "mvlgamma.mvlgamma_p_5": _BACKWARD,
+    # backward formulas that write into a plain tensor they made (a zeros for an unused output's gradient)
+    "cumprod": _BACKWARD, "masked.cumprod": _BACKWARD, "as_strided": _BACKWARD, "as_strided_copy": _BACKWARD,
+    "index_put": _BACKWARD, "linalg.vander": _BACKWARD,
     "nn.functional.linear_cross_entropy.chunked_none": _BACKWARD,
 }
 

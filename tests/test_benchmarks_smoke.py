@@ -59,3 +59,13 @@ def test_bench_jax_mlp_quick(tmp_path):
         assert data["jax_skipped"] and not any(k.startswith("jax/") for k in results)
     else:
         assert all(f"jax/{cfg}" in results for cfg in bench_jax_mlp.CONFIGS)
+
+
+def test_bench_optim_quick(tmp_path, monkeypatch):
+    from benchmarks import bench_optim
+    monkeypatch.setattr(bench_optim, "PARAM_SETS", {"tiny": [(16, 8), (8,)]})
+    data = bench_optim.main(["--quick", "--iters", "1", "--reps", "1", "--out", str(tmp_path)])
+    assert (tmp_path / "optim.md").exists()
+    assert [r["optimizer"] for r in data["rows"]] == list(bench_optim.OPTIMIZERS)
+    for row in data["rows"]:
+        assert not row["errors"] and {"plain", "spmd1", "spmd8", "dt"} <= set(row), row

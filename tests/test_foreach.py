@@ -1,10 +1,13 @@
-"""`torch._foreach_*` ops on DTensors: torch.optim with foreach=True and gradient clipping."""
+"""Multi-tensor ops on DTensors: `torch._foreach_*` (torch.optim with foreach=True, gradient clipping) and the fused
+optimizer kernels (fused=True), run as one kernel per list on the stacked components where the lists line up."""
 
 import pytest
 import torch
 
 import spmd
-from spmd import Layout
+from spmd import UNSHARDED, Layout
+from spmd.collectives import Kind
+from test_engine import issued
 
 MESH = spmd.create_mesh([("b", 2), ("m", 2)])
 LAYOUTS = [Layout(["b", "m"], MESH), Layout(["m"], MESH), Layout(["unsharded", "b"], MESH)]
@@ -22,12 +25,17 @@ def _loss(ps):
     return (ps[0] * ps[1]).sin().sum() + (ps[2] @ ps[0]).square().mean()
 
 
-@pytest.mark.parametrize("name,kwargs", [("SGD", {"lr": 0.1, "momentum": 0.9}), ("Adam", {"lr": 0.05}),
-                                         ("AdamW", {"lr": 0.05, "weight_decay": 0.1}),
-                                         ("RMSprop", {"lr": 0.01}), ("Adagrad", {"lr": 0.1})])
-def test_foreach_optimizers_match_plain_torch(name, kwargs):
+OPTIMIZERS = [("SGD", {"lr": 0.1, "momentum": 0.9}), ("Adam", {"lr": 0.05}),
+              ("AdamW", {"lr": 0.05, "weight_decay": 0.1, "amsgrad": True}), ("Adagrad", {"lr": 0.1})]
+
+
+@pytest.mark.parametrize("mode", ["foreach", "fused"])
+@pytest.mark.parametrize("name,kwargs", OPTIMIZERS + [("RMSprop", {"lr": 0.01})])
+def test_multi_tensor_optimizers_match_plain_torch(name, kwargs, mode):
+    if mode == "fused" and name == "RMSprop":
+        pytest.skip("torch has no fused RMSprop")
     dist, plain = _params()
-    opts = [getattr(torch.optim, name)(ps, foreach=True, **kwargs) for ps in (dist, plain)]
+    opts = [getattr(torch.optim, name)(ps, **{mode: True}, **kwargs) for ps in (dist, plain)]
     for _ in range(3):
         for ps, opt in zip((dist, plain), opts):
             _loss(ps).backward()
@@ -51,3 +59,93 @@ def test_clip_grad_norm(foreach):
     assert float(norms[0]) == pytest.approx(float(norms[1]), rel=1e-12)
     for d, p in zip(dist, plain):
         torch.testing.assert_close(spmd.to_global(d.grad), p.grad, rtol=1e-10, atol=1e-12)
+
+
+def _kernel_counts(fn):
+    """How often each aten op ran in `fn` (the DTensor-level call and the calls on components alike)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return {e.key: e.count for e in prof.key_averages()}
+
+
+@pytest.mark.parametrize("mode", ["foreach", "fused"])
+def test_an_optimizer_step_runs_the_kernels_plain_torch_runs(mode):
+    """Lists that line up run as one multi-tensor kernel on the components: besides the multi-tensor ops
+    themselves (met once on DTensors, once on components), exactly the aten ops of plain torch's step run (CPU's
+    foreach kernels loop over the tensors), not one dispatch per parameter and element op."""
+    counts = []
+    for ps in _params():
+        opt = torch.optim.AdamW(ps, lr=0.1, **{mode: True})
+        _loss(ps).backward()
+        opt.step()
+        counts.append({op: n for op, n in _kernel_counts(opt.step).items()
+                       if op.startswith("aten::") and not op.startswith(("aten::_foreach_", "aten::_fused_"))})
+    assert counts[0] == counts[1]
+
+
+def test_in_place_foreach_relayouts_the_lists_it_reads(mesh22):
+    """`_foreach_add_(xs, ys)` keeps the xs' layouts; a y laid out otherwise is relayouted first, with exactly the
+    collectives the element op `add_` issues."""
+    torch.manual_seed(1)
+    values = [torch.randn(4, 4) for _ in range(4)]
+    x_layouts = [Layout(["x", "y"], mesh22), Layout([UNSHARDED, "x"], mesh22)]
+    y_layouts = [Layout(["y", "x"], mesh22), Layout([UNSHARDED, "x"], mesh22)]
+    xs = [spmd.copy_to_mesh(v, layout) for v, layout in zip(values[:2], x_layouts)]
+    ys = [spmd.copy_to_mesh(v, layout) for v, layout in zip(values[2:], y_layouts)]
+    _, collectives = issued(torch._foreach_add_, xs, ys)
+    xs_elementwise = [spmd.copy_to_mesh(v, layout) for v, layout in zip(values[:2], x_layouts)]
+    _, element_collectives = issued(lambda: [x.add_(y) for x, y in zip(xs_elementwise, ys)])
+    assert collectives == element_collectives and collectives  # (the first y needs a relayout)
+    for x, v, w, layout in zip(xs, values[:2], values[2:], x_layouts):
+        assert spmd.fetch_layout(x) == layout
+        torch.testing.assert_close(spmd.to_global(x), v + w)
+
+
+def test_out_of_place_foreach_on_lists_that_do_not_line_up_takes_the_element_rules(mesh22):
+    torch.manual_seed(2)
+    a = [spmd.copy_to_mesh(torch.randn(4, 4), Layout(["x", UNSHARDED], mesh22))]
+    b = [spmd.copy_to_mesh(torch.randn(4, 4), Layout([UNSHARDED, "y"], mesh22))]
+    (out,), collectives = issued(torch._foreach_mul, a, b)
+    expected, expected_collectives = issued(torch.mul, a[0], b[0])
+    assert spmd.fetch_layout(out) == spmd.fetch_layout(expected) and collectives == expected_collectives
+    torch.testing.assert_close(spmd.to_global(out), spmd.to_global(expected))
+
+
+def test_foreach_on_pending_sums_keeps_them_as_the_element_rules_do(mesh22):
+    """A pending sum (x @ w over a sharded contraction) scaled by `_foreach_mul` stays pending: no collective."""
+    x = spmd.copy_to_mesh(torch.randn(4, 4), Layout([UNSHARDED, "y"], mesh22))
+    w = spmd.copy_to_mesh(torch.randn(4, 4), Layout(["y", UNSHARDED], mesh22))
+    (out,), collectives = issued(torch._foreach_mul, [x @ w], 2.0)
+    assert collectives == [] and out._pending == ("y",)
+    torch.testing.assert_close(spmd.to_global(out), 2 * spmd.to_global(x) @ spmd.to_global(w))
+
+
+def test_fused_step_relayouts_a_gradient_laid_out_otherwise(mesh22):
+    torch.manual_seed(3)
+    value, grad = torch.randn(4, 4), torch.randn(4, 4)
+    p = spmd.DVariable(value, layout=Layout(["x", "y"], mesh22))
+    p.grad = spmd.copy_to_mesh(grad, Layout([UNSHARDED, "x"], mesh22))
+    plain = value.clone().requires_grad_()
+    plain.grad = grad.clone()
+    opts = [torch.optim.Adam([t], lr=0.1, fused=True) for t in (p, plain)]
+    _, collectives = issued(opts[0].step)
+    opts[1].step()
+    assert collectives == [(Kind.ALL_TO_ALL, ("x",), False)]  # x moves from axis 1 to axis 0; y is a local slice
+    torch.testing.assert_close(spmd.to_global(p), plain.detach())
+    assert spmd.fetch_layout(opts[0].state[p]["exp_avg"]) == spmd.fetch_layout(p)
+
+
+def test_fused_step_refuses_a_plain_gradient_with_a_clear_error(mesh22):
+    p = spmd.DVariable(torch.zeros(4, 4), layout=Layout(["x", "y"], mesh22))
+    p.grad = torch.ones(4, 4)
+    with pytest.raises(spmd.MixedTensorError, match=r"_fused_adam_.*grads holds a plain tensor \(shape \[4, 4\]\)"):
+        torch.optim.Adam([p], lr=0.1, fused=True).step()
+
+
+def test_torch_optim_defaults_to_foreach_for_dtensors_where_it_does_for_plain_tensors(monkeypatch):
+    """On CUDA torch.optim picks its foreach path by default for the tensor types it knows; spmd's are among them."""
+    from torch.optim import optimizer
+    monkeypatch.setattr(optimizer, "_get_foreach_kernels_supported_devices", lambda: ["cpu"])
+    dist, plain = _params()
+    assert optimizer._default_to_fused_or_foreach(plain, differentiable=False) == (False, True)
+    assert optimizer._default_to_fused_or_foreach(dist, differentiable=False) == (False, True)

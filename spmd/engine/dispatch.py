@@ -14,6 +14,7 @@ import sys
 import warnings
 
 import torch
+import torch.utils._pytree as pytree
 from torch.utils._mode_utils import no_dispatch
 
 from spmd import dtensor, explain
@@ -74,7 +75,8 @@ def _sig(a, tensors, blind=False):
             return "scalar", a.dtype
         raise MixedTensorError(
             f"a plain torch.Tensor of shape {list(a.shape)} was mixed with DTensors; only Python scalars and 0-d "
-            "tensors are broadcast automatically. Distribute it first: spmd.copy_to_mesh(tensor, layout)")
+            "tensors are broadcast automatically. Distribute it first: spmd.copy_to_mesh(tensor, layout); where "
+            "torch made it inside an op (F.one_hot's arange), run the op under spmd.implicit_replication()")
     return a
 
 
@@ -93,6 +95,8 @@ def torch_dispatch(cls, func, types, args=(), kwargs=None):
     blind = _FLOAT_BLIND.get(id(func))
     if blind is None:
         blind = _float_blind(func)
+    if blind is _MULTI_TENSOR:
+        return _multi_tensor(func, args, kwargs or {})
     try:
         for a in args:  # the common argument kinds inline; the rest through _sig
             if isinstance(a, DTensor):
@@ -105,11 +109,15 @@ def torch_dispatch(cls, func, types, args=(), kwargs=None):
         if kwargs:
             key.append(tuple([(k, _sig(v, tensors, blind)) for k, v in kwargs.items()]))
     except MixedTensorError:
-        if foreach.is_foreach(func):  # e.g. per-parameter scalars given as one plain tensor
-            return foreach.run(func, args, kwargs or {})
         if func is torch.ops.aten.copy_.default and isinstance(args[0], DTensor):
             return _copy_from_plain(func, args, kwargs)
-        raise
+        if not _replicates_plain():
+            raise
+        if _writes_plain(func, args):
+            raise MixedTensorError(f"{func} writes into a plain tensor of shape {list(args[0].shape)} with DTensor "
+                                   "inputs; a DTensor result cannot go there: write into a DTensor "
+                                   "(spmd.copy_to_mesh) instead") from None
+        return dispatch(func, *_replicated_plain(args, kwargs or {}))
     key = tuple(key)
     plan = _CACHE.get(key)
     if plan is None:
@@ -128,24 +136,66 @@ def resolve(tensor: DTensor) -> None:
 
 dtensor.install_engine(sys.modules[__name__])
 
-# id(op) -> whether its plan ignores the values of float arguments (see engine/registry.py)
+# id(op) -> whether its plan ignores the values of float arguments (see engine/registry.py), or _MULTI_TENSOR
 _FLOAT_BLIND: dict = {}
+_MULTI_TENSOR = "multi-tensor"  # a foreach or fused op: no plan of its own (see engine/foreach.py)
 
 
-def _float_blind(func) -> bool:
-    entry = registry.lookup(func)
-    blind = _FLOAT_BLIND[id(func)] = foreach.is_foreach(func) or (entry is not None and entry.floats_at_run_time)
+def _float_blind(func):
+    if foreach.is_multi_tensor(func):
+        blind = _MULTI_TENSOR
+    else:
+        entry = registry.lookup(func)
+        blind = entry is not None and entry.floats_at_run_time
+    _FLOAT_BLIND[id(func)] = blind
     return blind
+
+
+def _multi_tensor(func, args, kwargs):
+    if not explain.RECORDERS:
+        return foreach.run(func, args, kwargs)
+    recorder = explain.RECORDERS[-1]
+    recorder.op_started(func, [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, DTensor)])
+    out = foreach.run(func, args, kwargs)
+    recorder.op_finished(out)
+    return out
 
 
 def _miss(key, func, args, kwargs, tensors) -> "_Plan | None":
     _STATS["misses"] += 1
     if len(_CACHE) >= _CACHE_LIMIT:  # shapes that keep changing must not grow the cache forever
         _CACHE.clear()
-    # foreach ops have no plan of their own: `_execute` runs their element ops
-    plan = None if foreach.is_foreach(func) else _make_plan(func, args, kwargs, tensors)
+    plan = _make_plan(func, args, kwargs, tensors)
     _CACHE[key] = plan
     return plan
+
+
+# >0 inside `spmd.implicit_replication()`: plain tensors mixed with DTensors are taken as replicated
+IMPLICIT_REPLICATION = [0]
+
+
+def _replicates_plain() -> bool:
+    # also while autograd's engine runs a derivative formula that made a plain tensor (prod's, copysign's): torch
+    # made it, not the user, and it holds a global value
+    return IMPLICIT_REPLICATION[0] > 0 or torch._C._current_graph_task_id() != -1
+
+
+def _writes_plain(func, args) -> bool:
+    """Whether `func` writes a plain first argument (a replicated copy of it would take the write instead)."""
+    alias = func._schema.arguments[0].alias_info if args and func._schema.arguments else None
+    return not isinstance(args[0], DTensor) and alias is not None and alias.is_write
+
+
+def _replicated_plain(args, kwargs):
+    """`args` and `kwargs` with every plain tensor of rank > 0 replaced by a replicated DTensor."""
+    mesh = next(t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, DTensor))._layout.mesh
+
+    def replicated(a):
+        if isinstance(a, DTensor) or not isinstance(a, torch.Tensor) or a.dim() == 0:
+            return a
+        return DTensor(planner.distribute(a, mesh, (None,) * a.dim()), Layout.replicated(mesh, a.dim()), a.shape)
+
+    return pytree.tree_map(replicated, (args, kwargs))
 
 
 def _copy_from_plain(func, args, kwargs):
@@ -160,8 +210,6 @@ def _copy_from_plain(func, args, kwargs):
 
 
 def _execute(plan: _Plan, func, args, kwargs, tensors):
-    if plan is None:
-        return foreach.run(func, args, kwargs)
     locals_ = [t._stack for t in tensors]
     if plan.settle:
         _settle_inputs(plan, tensors, locals_)

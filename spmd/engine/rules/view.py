@@ -243,6 +243,21 @@ def indexed_rule(call: OpCall) -> Decision:
     return Decision((axes,) * len(specs), (axes,), generic_kernel(call.func, arg_overrides={1: dim + 1}))
 
 
+@register(aten.scatter_.src, aten.scatter_.value, aten.scatter_add_.default)
+@zero_d_as_one_element
+def indexed_inplace_rule(call: OpCall) -> Decision:
+    """scatter_ into a target that keeps its layout: it must not be sharded along `dim`, nor where the index is
+    shorter than the target; the index and source take the target's sharding."""
+    specs = call.specs
+    dim = norm_dim(arg(call, "dim"), specs[0].rank)
+    target = specs[0].axes
+    if any(m is not None and (i == dim or len({s.shape[i] for s in specs}) > 1) for i, m in enumerate(target)):
+        raise unsupported(call, f"the target is sharded along dim {dim} or where the index is shorter; relayout "
+                                "the target so that those axes are unsharded")
+    return Decision((target,) * len(specs), (target,), generic_kernel(call.func, arg_overrides={1: dim + 1}),
+                    inplace=True)
+
+
 @register(aten.diagonal.default)
 def diagonal_rule(call: OpCall) -> Decision:
     """A real view of each component: the two axes of the diagonal are unsharded (the result's last axis runs

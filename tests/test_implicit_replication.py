@@ -1,0 +1,80 @@
+"""Plain tensors that torch makes inside an op: derivative formulas (always taken as replicated) and composite ops
+such as `F.one_hot` (under `spmd.implicit_replication()`); a user's plain tensor still raises MixedTensorError."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import spmd
+from spmd import UNSHARDED, Layout
+from sweep import check_op, components, rand
+from test_engine import issued
+
+U = UNSHARDED
+
+
+@pytest.mark.parametrize("fn", [lambda x: x.prod(1), lambda x: x.prod(), lambda x: torch.copysign(x, x.flip(0)),
+                                lambda x: x.cumprod(1), lambda x: torch.linalg.vander(x[0], N=3),
+                                lambda x: x.unbind(1)[2], lambda x: x.split(3, dim=0)[1]],
+                         ids=["prod_dim", "prod", "copysign", "cumprod", "vander", "unbind", "split"])
+def test_derivative_formulas_that_make_plain_tensors(fn):
+    """prod's backward makes a plain ones/zeros, cumprod's scatters into one, unbind's stacks zeros for the unused
+    outputs: values, gradients and every component equal plain torch's for every layout."""
+    assert check_op(fn, [rand(4, 6)]) > 1
+
+
+def test_one_hot_needs_the_scope_and_issues_no_collective(mesh22):
+    labels = spmd.copy_to_mesh(torch.tensor([0, 3, 1, 2]), Layout(["x"], mesh22))
+    with pytest.raises(spmd.MixedTensorError, match=r"shape \[5\].*spmd\.implicit_replication\(\)"):
+        F.one_hot(labels, 5)
+    with spmd.implicit_replication():
+        out, collectives = issued(F.one_hot, labels, 5)
+    assert collectives == []
+    assert spmd.fetch_layout(out) == Layout(["x", U], mesh22)
+    torch.testing.assert_close(spmd.to_global(out), F.one_hot(torch.tensor([0, 3, 1, 2]), 5))
+    assert components(out) == [[[1, 0, 0, 0, 0], [0, 0, 0, 1, 0]]] * 2 + \
+        [[[0, 1, 0, 0, 0], [0, 0, 1, 0, 0]]] * 2
+
+
+def _causal_math_attention(q, k, v):
+    with sdpa_kernel(SDPBackend.MATH), spmd.implicit_replication():
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def test_math_attention_with_its_causal_mask():
+    """The math kernel builds its causal mask as a plain [T, T] tensor."""
+    assert check_op(_causal_math_attention, [rand(2, 2, 4, 2), rand(2, 2, 4, 2, seed=1), rand(2, 2, 4, 2, seed=2)],
+                    sample=12) > 1
+
+
+def test_a_users_plain_tensor_still_raises_and_the_scope_ends(mesh22):
+    x = spmd.copy_to_mesh(torch.ones(4, 4), Layout(["x", U], mesh22))
+    with pytest.raises(RuntimeError, match="boom"), spmd.implicit_replication():
+        torch.testing.assert_close(spmd.to_global(x + torch.arange(4.0)), torch.ones(4, 4) + torch.arange(4.0))
+        raise RuntimeError("boom")
+    with pytest.raises(spmd.MixedTensorError, match=r"shape \[4\]"):
+        x + torch.arange(4.0)
+
+
+def test_an_op_writing_into_a_plain_tensor_is_refused(mesh22):
+    x = spmd.copy_to_mesh(torch.ones(4), Layout(["x"], mesh22))
+    plain = torch.zeros(4)
+    with spmd.implicit_replication(), pytest.raises(spmd.MixedTensorError, match=r"writes into a plain tensor"):
+        plain.add_(x)
+    assert plain.tolist() == [0, 0, 0, 0]
+
+
+def test_scatter_in_place_keeps_the_targets_layout(mesh22):
+    """scatter_ (what cumprod's backward runs) writes into a target sharded on another axis than `dim`; a target
+    sharded along `dim` cannot be written in place."""
+    index, src = torch.tensor([[0], [3], [1], [2]]), rand(4, 1, seed=1)
+    want = rand(4, 4).scatter_(1, index, src)
+    target = spmd.copy_to_mesh(rand(4, 4), Layout(["x", U], mesh22))
+    dist_index, dist_src = (spmd.copy_to_mesh(t, Layout.replicated(mesh22, 2)) for t in (index, src))
+    _, collectives = issued(target.scatter_, 1, dist_index, dist_src)
+    assert collectives == [] and spmd.fetch_layout(target) == Layout(["x", U], mesh22)
+    torch.testing.assert_close(spmd.to_global(target), want)
+    along_dim = spmd.copy_to_mesh(rand(4, 4), Layout([U, "y"], mesh22))
+    with pytest.raises(spmd.UnsupportedOpError, match="sharded along dim 1"):
+        along_dim.scatter_(1, dist_index, dist_src)
