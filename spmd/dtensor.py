@@ -221,7 +221,14 @@ def dense_strides(local: torch.Tensor, shape: Sequence[int]) -> tuple[int, ...]:
 
 
 def _format(component: torch.Tensor) -> str:
-    return np.array2string(component.detach().cpu().numpy(), separator=" ", threshold=64).replace("\n", "")
+    component = component.detach().cpu()
+    if component.dtype in _WIDER_FOR_NUMPY:  # dtypes numpy lacks (bfloat16, float8, ...) print as float32
+        component = component.to(_WIDER_FOR_NUMPY[component.dtype])
+    return np.array2string(component.numpy(), separator=" ", threshold=64).replace("\n", "")
+
+
+_WIDER_FOR_NUMPY = {torch.complex32: torch.complex64, torch.bfloat16: torch.float32,
+                    torch.float8_e4m3fn: torch.float32, torch.float8_e5m2: torch.float32}
 
 
 def keep_grad_layout(leaf: DTensor) -> None:

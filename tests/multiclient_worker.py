@@ -183,6 +183,31 @@ def training():
     _result({"client": spmd.client_id(), "losses": losses, "layouts": layouts})
 
 
+def grad_scaler():
+    """GradScaler over a weight sharded between the clients, fused and foreach AdamW: an infinity in client 1's
+    shard of the gradient makes every client skip the step and lower the scale; a finite step updates all."""
+    import torch
+    import spmd
+    from spmd import UNSHARDED as U, Layout
+    spmd.initialize_accelerator_system("CPU", num_logical_cpu_devices=1)
+    mesh = spmd.create_distributed_mesh([("x", 2)])
+    out = {"client": spmd.client_id()}
+    for mode in ("fused", "foreach"):
+        w = spmd.DVariable(torch.ones(4, 2), layout=Layout(["x", U], mesh))
+        opt = torch.optim.AdamW([w], lr=0.1, **{mode: True})
+        scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+        for bad in (True, False):
+            g = torch.ones(4, 2)
+            if bad:
+                g[3, 0] = float("inf")  # in client 1's rows only
+            scaler.scale((w * spmd.copy_to_mesh(g, Layout(["x", U], mesh))).sum()).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            out[f"{mode} {'inf' if bad else 'finite'}"] = [scaler.get_scale(), spmd.to_global(w)[:, 1].tolist()]
+    _result(out)
+
+
 def compiled_training():
     """The MLP's step compiled (argv: local devices per client, mesh dims as `batch,model`); reports the losses, and
     the torch.distributed collectives in the compiled forward and backward graphs (recorded with aot_eager)."""

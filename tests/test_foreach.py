@@ -149,3 +149,45 @@ def test_torch_optim_defaults_to_foreach_for_dtensors_where_it_does_for_plain_te
     dist, plain = _params()
     assert optimizer._default_to_fused_or_foreach(plain, differentiable=False) == (False, True)
     assert optimizer._default_to_fused_or_foreach(dist, differentiable=False) == (False, True)
+
+
+@pytest.mark.parametrize("mode", ["foreach", "fused"])
+def test_grad_scaler_steps_and_skips_as_plain_torch(mode):
+    """torch.amp.GradScaler unscales and checks the gradients with one multi-tensor kernel; an infinity skips the
+    step and lowers the scale exactly as for plain tensors."""
+    dist, plain = _params()
+    runs = []
+    for ps in (dist, plain):
+        opt = torch.optim.Adam(ps, lr=0.05, **{mode: True})
+        scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+        for poison in (0.0, float("inf"), 0.0):
+            scaler.scale(_loss(ps) + poison * ps[1][0]).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        runs.append(scaler.get_scale())
+    assert runs[0] == runs[1] == 8.0 * 0.5
+    for d, p, layout in zip(dist, plain, LAYOUTS):
+        assert spmd.fetch_layout(d) == layout
+        torch.testing.assert_close(spmd.to_global(d), p.detach(), rtol=1e-10, atol=1e-12)
+
+
+def test_autocast_and_bfloat16_modules(mesh22):
+    """autocast runs the distributed model's matmuls in bfloat16 like plain torch's; `.to(torch.bfloat16)` keeps
+    parameters distributed with their layouts."""
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+
+    plain, dist = model(), model()
+    spmd.distribute_module(dist, mesh22, spmd.LayoutMap({r"0\.weight": Layout(["y", UNSHARDED], mesh22),
+                                                          r"0\.bias": Layout(["y"], mesh22)}))
+    x = torch.randn(8, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want, got = plain(x), dist(spmd.copy_to_mesh(x, Layout(["x", UNSHARDED], mesh22)))
+    assert got.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(spmd.to_global(got), want, rtol=2e-2, atol=2e-2)
+    dist.to(torch.bfloat16)
+    weight = dist[0].weight
+    assert spmd.fetch_layout(weight) == Layout(["y", UNSHARDED], mesh22) and isinstance(weight, torch.nn.Parameter)
+    assert weight.dtype == torch.bfloat16 and "dtype=torch.bfloat16" in repr(weight)

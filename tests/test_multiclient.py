@@ -97,6 +97,16 @@ def test_compiled_training_parity_with_one_process(per_client, dims, collectives
                 ["_c10d_functional.all_reduce.default", "_c10d_functional.wait_tensor.default"] * n), graph
 
 
+def test_grad_scaler_skips_the_step_on_every_client_or_none():
+    results = launch("grad_scaler")
+    for r in results:
+        for mode in ("fused", "foreach"):
+            assert r[f"{mode} inf"] == [2.0, [1.0] * 4], (r["client"], mode)  # skipped everywhere, scale halved
+            scale, column = r[f"{mode} finite"]
+            assert scale == 2.0 and all(v < 1.0 for v in column), (r["client"], mode)
+    assert results[0] == results[1] | {"client": 0}
+
+
 def test_dead_client_fails_fast():
     """A client that exits before a collective: the other gets a CollectiveError naming it and the collective."""
     timeout = 4

@@ -14,17 +14,19 @@ import torch
 import torch.utils._foreach_utils
 from torch.optim import optimizer
 
+from spmd.collectives import backend_for
 from spmd.dtensor import DTensor
 from spmd.engine import planner
 from spmd.errors import MeshMismatchError, MixedTensorError
 
 aten = torch.ops.aten
 
-_FUSED = {"aten::_fused_adam_", "aten::_fused_adamw_", "aten::_fused_sgd_", "aten::_fused_adagrad_"}
+_FUSED = {"aten::_fused_adam_", "aten::_fused_adamw_", "aten::_fused_sgd_", "aten::_fused_adagrad_",
+          "aten::_amp_foreach_non_finite_check_and_unscale_"}  # GradScaler's unscale and check of the gradients
 # multi-tensor ops whose element op is not elementwise: they run position by position
 _NOT_ELEMENTWISE = {"aten::_foreach_norm", "aten::_foreach_max", "aten::_foreach_mm"}
 # plain tensors a fused kernel takes beside the DTensor lists: per-parameter steps, AMP's scaler state, a tensor lr
-_PLAIN_ARGUMENTS = {"state_steps", "grad_scale", "found_inf", "lr", "scalars"}
+_PLAIN_ARGUMENTS = {"state_steps", "grad_scale", "found_inf", "inv_scale", "lr", "scalars"}
 
 
 def is_multi_tensor(func) -> bool:
@@ -45,7 +47,10 @@ def run(func, args, kwargs):
     if fused or func._schema.name not in _NOT_ELEMENTWISE:
         lined_up = _line_up(func, args, kwargs, fused)
         if not isinstance(lined_up, str):
-            return _run_on_stacks(func, *lined_up)
+            out = _run_on_stacks(func, *lined_up)
+            if func._schema.name == "aten::_amp_foreach_non_finite_check_and_unscale_":
+                _agree_across_clients(args[1], args[0][0]._layout.mesh)
+            return out
         if fused:
             raise MixedTensorError(f"{func._schema.name} on DTensors: {lined_up}")
     return _run_per_element(func, args, kwargs)
@@ -122,6 +127,15 @@ def _stack(t, ref: DTensor, relayout: bool, resolve: bool, name: str):
                                 f"{ref._layout.mesh}; copy it with spmd.copy_to_mesh or relayout first")
     steps = planner.plan_on(ref._layout.mesh, t._layout.axes, ref._layout.axes, t._pending, t._pending_op)
     return planner.run(t._stack, ref._layout.mesh, steps)
+
+
+def _agree_across_clients(found_inf: torch.Tensor, mesh) -> None:
+    """A client saw only its own devices' gradients: every client takes the largest flag, so that all of them skip
+    the step or none does (GradScaler's infinity check)."""
+    if mesh.is_fully_local():
+        return
+    flags = found_inf.reshape(1).expand(mesh.num_local_devices()).contiguous()
+    found_inf.copy_(backend_for(mesh).all_reduce(flags, mesh, tuple(mesh.dim_names), "max")[0])
 
 
 def _scalar_stack(t: DTensor, name: str):
