@@ -161,7 +161,7 @@ def _multi_tensor(func, args, kwargs):
     return out
 
 
-def _miss(key, func, args, kwargs, tensors) -> "_Plan | None":
+def _miss(key, func, args, kwargs, tensors) -> _Plan:
     _STATS["misses"] += 1
     if len(_CACHE) >= _CACHE_LIMIT:  # shapes that keep changing must not grow the cache forever
         _CACHE.clear()
@@ -182,8 +182,10 @@ def _replicates_plain() -> bool:
 
 def _writes_plain(func, args) -> bool:
     """Whether `func` writes a plain first argument (a replicated copy of it would take the write instead)."""
-    alias = func._schema.arguments[0].alias_info if args and func._schema.arguments else None
-    return not isinstance(args[0], DTensor) and alias is not None and alias.is_write
+    if not args or isinstance(args[0], DTensor):
+        return False
+    alias = func._schema.arguments[0].alias_info
+    return alias is not None and alias.is_write
 
 
 def _replicated_plain(args, kwargs):
