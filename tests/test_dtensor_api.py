@@ -370,3 +370,19 @@ def test_compiled_function_retraces_for_components_in_another_memory_order(mesh2
     for x in (transposed, straight):
         torch.testing.assert_close(spmd.to_global(f(x)), value * 2)
     assert f.experimental_get_tracing_count() == 2
+
+
+@pytest.mark.parametrize("convert", [lambda t: t.to(memory_format=torch.channels_last),
+                                     lambda t: t.contiguous(memory_format=torch.channels_last),
+                                     lambda t: t.to(torch.float64, memory_format=torch.channels_last),
+                                     lambda t: torch.zeros_like(t, memory_format=torch.channels_last)],
+                         ids=["to", "contiguous", "to_dtype", "zeros_like"])
+def test_channels_last_lays_out_every_component(mesh22, convert):
+    """A channels-last request names the global rank: each component is channels last, and the DTensor reports
+    plain torch's strides."""
+    x = torch.randn(2, 4, 3, 2)
+    d = convert(spmd.copy_to_mesh(x, Layout(["x", "y", UNSHARDED, UNSHARDED], mesh22)))
+    want = convert(x)
+    assert d.stride() == want.stride() and d.is_contiguous(memory_format=torch.channels_last)
+    assert all(c.is_contiguous(memory_format=torch.channels_last) for c in spmd.unpack(d))
+    torch.testing.assert_close(spmd.to_global(d), want)

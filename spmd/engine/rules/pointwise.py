@@ -131,7 +131,19 @@ def like_rule(call: OpCall) -> Decision:
     specs = call.specs
     axes = specs[0].axes
     return Decision(tuple(axes if i == 0 else s.axes for i, s in enumerate(specs)), (axes,),
-                    generic_kernel(call.func), inplace=is_inplace(call.func))
+                    _in_memory_format(call, generic_kernel(call.func)), inplace=is_inplace(call.func))
+
+
+def _in_memory_format(call: OpCall, kernel):
+    """A channels-last `memory_format` names the global rank (4, or 5 for 3-d), which the stacked components
+    exceed by one: the kernel runs in the contiguous format, then each component is laid out channels last."""
+    if call.kwargs.get("memory_format") not in (torch.channels_last, torch.channels_last_3d):
+        return kernel
+    contiguous = generic_kernel(call.func, kwarg_overrides={"memory_format": torch.contiguous_format})
+    rank = call.specs[0].rank + 1
+    channels_last = (0, 1) + tuple(range(3, rank)) + (2,)  # (L, N, C, *spatial) -> (L, N, *spatial, C)
+    back = tuple(channels_last.index(i) for i in range(rank))
+    return lambda l, a, k: contiguous(l, a, k).permute(channels_last).contiguous().permute(back)
 
 
 register(aten.clone, aten.alias, aten.detach, aten.lift_fresh, aten.fill_, aten.zero_, aten.positive,
