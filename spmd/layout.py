@@ -55,7 +55,7 @@ class Layout:
         # Per tensor axis: the mesh dimension it is sharded over, or None. The executor reads only this.
         self.axes = tuple(None if s == UNSHARDED else s for s in specs)
         self._string = "sharding_specs:" + "".join(s + "," for s in specs) + " mesh:" + mesh.to_string()
-        self._hash = hash((specs, mesh))
+        self._hash = None  # hashed when first asked: Dynamo of torch 2.11 cannot trace `hash` (a Layout in a trace)
 
     # -- constructors --------------------------------------------------------------------------------------------
     @classmethod
@@ -202,6 +202,8 @@ class Layout:
                                  and self._mesh == other._mesh)
 
     def __hash__(self) -> int:
+        if self._hash is None:
+            self._hash = hash((self._specs, self._mesh))
         return self._hash
 
     def __repr__(self) -> str:

@@ -10,6 +10,8 @@ output shapes, reading a value), are not checked here.
 
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.utils._pytree as pytree
 from torch._prims_common import canonicalize_dim
@@ -19,6 +21,9 @@ _SKIP_TAGS = (torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output)
 aten = torch.ops.aten
 # ops whose meta kernels accept any `dim`: it is checked against the input's rank here
 _DIM_UNCHECKED_BY_META = {aten._softmax.default, aten._log_softmax.default, aten.sort.default, aten.sort.stable}
+# torch 2.11's meta kernels (argmax, topk, cummax, kthvalue, ...) word a bad `dim` as an AssertionError; later
+# versions raise the IndexError of the CPU kernels
+_META_DIM_ASSERTION = re.compile(r"dim (-?\d+) out of bounds \(-?\d+, (-?\d+)\)")
 
 
 class _Unchecked(Exception):
@@ -40,6 +45,9 @@ def check_like_torch(func, args, kwargs) -> None:
             func(*meta_args, **meta_kwargs)
         except (IndexError, ValueError, TypeError):
             raise
+        except AssertionError as e:
+            _raise_if_bad_dim(e)
+            return
         except RuntimeError as e:
             message = str(e).lower()
             if "meta" not in message and "not allocated" not in message:  # not a limit of meta tensors: the
@@ -53,6 +61,13 @@ def _check_dim(func, args, kwargs) -> None:
     dim = kwargs.get("dim", args[names.index("dim")] if len(args) > names.index("dim") else None)
     if dim is not None:
         canonicalize_dim(args[0].dim(), dim)  # torch's IndexError for a dim out of range
+
+
+def _raise_if_bad_dim(error: AssertionError) -> None:
+    match = _META_DIM_ASSERTION.fullmatch(str(error))
+    if match:
+        dim, last = map(int, match.groups())
+        canonicalize_dim(last + 1, dim)  # torch's IndexError for a dim out of range
 
 
 def _meta(value):

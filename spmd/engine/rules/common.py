@@ -126,7 +126,8 @@ def shard_starts(call: OpCall, mesh_dim: str, block: int, ndim: int) -> Callable
 def zero_d_as_one_element(rule: Callable) -> Callable:
     """For a rule of an op along a `dim`: torch reads a 0-d `self` as one element along dim 0 (`cumsum(0)`,
     `flip(0)`, `index_select(0, i)` of a 0-d tensor), so decide as for shape (1,) and view each 0-d component so;
-    the results, 1-element along the new axis, are 0-d again."""
+    the results, 1-element along the new axis, are 0-d again. A plain 0-d tensor among the operands (the
+    `zeros(())` that torch 2.11's max/sort/topk gradients scatter into) is one element on every device."""
     def decide(call: OpCall):
         if call.specs[0].rank:
             return rule(call)
@@ -134,7 +135,7 @@ def zero_d_as_one_element(rule: Callable) -> Callable:
         one = dataclasses.replace(call, args=tuple(_one_element(a) for a in call.args),
                                   kwargs={k: _one_element(v) for k, v in call.kwargs.items()})
         decision = rule(one)
-        inner = decision.kernel
+        inner = _with_plain_as_components(decision.kernel, call)
 
         def kernel(locals_, args, kwargs):
             out = inner([x.unsqueeze(1) if z else x for x, z in zip(locals_, zero_d)], args, kwargs)
@@ -144,6 +145,21 @@ def zero_d_as_one_element(rule: Callable) -> Callable:
             outputs=tuple(None if o is None else () for o in decision.outputs))
     decide.__name__, decide.__doc__ = rule.__name__, rule.__doc__
     return decide
+
+
+def _with_plain_as_components(kernel: Kernel, call: OpCall) -> Kernel:
+    """`kernel` given each plain 0-d tensor argument as stacked one-element components `(L, 1)`."""
+    def plain(a):
+        return isinstance(a, torch.Tensor) and not isinstance(a, DTensor)
+
+    if not any(plain(a) for a in list(call.args) + list(call.kwargs.values())):
+        return kernel
+
+    n = call.num_local
+
+    def stacked(a):
+        return a.reshape(1, 1).expand(n, 1) if plain(a) else a
+    return lambda l, a, k: kernel(l, tuple(map(stacked, a)), {name: stacked(v) for name, v in k.items()})
 
 
 def _one_element(a):
