@@ -123,7 +123,7 @@ def torch_dispatch(cls, func, types, args=(), kwargs=None):
     if plan is None:
         plan = _miss(key, func, args, kwargs or {}, tensors)
     if explain.RECORDERS:
-        return _recorded(plan, func, args, kwargs or {}, tensors)
+        return _recorded(func, tensors, lambda: _execute(plan, func, args, kwargs or {}, tensors))
     return _execute(plan, func, args, kwargs or {}, tensors)
 
 
@@ -154,11 +154,8 @@ def _float_blind(func):
 def _multi_tensor(func, args, kwargs):
     if not explain.RECORDERS:
         return foreach.run(func, args, kwargs)
-    recorder = explain.RECORDERS[-1]
-    recorder.op_started(func, [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, DTensor)])
-    out = foreach.run(func, args, kwargs)
-    recorder.op_finished(out)
-    return out
+    tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, DTensor)]
+    return _recorded(func, tensors, lambda: foreach.run(func, args, kwargs))
 
 
 def _miss(key, func, args, kwargs, tensors) -> _Plan:
@@ -195,7 +192,7 @@ def _replicated_plain(args, kwargs):
     def replicated(a):
         if isinstance(a, DTensor) or not isinstance(a, torch.Tensor) or a.dim() == 0:
             return a
-        return DTensor(planner.distribute(a, mesh, (None,) * a.dim()), Layout.replicated(mesh, a.dim()), a.shape)
+        return _distributed(a, Layout.replicated(mesh, a.dim()))
 
     return pytree.tree_map(replicated, (args, kwargs))
 
@@ -207,8 +204,13 @@ def _copy_from_plain(func, args, kwargs):
         raise MixedTensorError(f"copy_ of a plain tensor that requires grad (shape {list(src.shape)}) into a "
                                "DTensor: distribute it first with spmd.copy_to_mesh(tensor, layout)")
     layout = target._layout
-    value = DTensor(planner.distribute(src.expand(target.shape), layout.mesh, layout.axes), layout, target.shape)
+    value = _distributed(src.expand(target.shape), layout)
     return dispatch(func, (target, value) + tuple(args[2:]), kwargs)
+
+
+def _distributed(value: torch.Tensor, layout: Layout) -> DTensor:
+    """A plain global value as a DTensor laid out by `layout`: each device keeps its shard."""
+    return DTensor(planner.distribute(value, layout.mesh, layout.axes), layout, value.shape)
 
 
 def _execute(plan: _Plan, func, args, kwargs, tensors):
@@ -258,10 +260,11 @@ def _rebind(plan: _Plan, target: DTensor, local, func, args, kwargs) -> DTensor:
     return target
 
 
-def _recorded(plan: _Plan, func, args, kwargs, tensors):
+def _recorded(func, tensors, run):
+    """`run()`, the expansion of `func` on `tensors`, reported to the active `explain` recorder."""
     recorder = explain.RECORDERS[-1]
     recorder.op_started(func, tensors)
-    out = _execute(plan, func, args, kwargs, tensors)
+    out = run()
     recorder.op_finished(out)
     return out
 
