@@ -4,7 +4,7 @@ A `Mesh` of devices with named dimensions, a `Layout` per tensor saying how each
 DTensors that behave as one global `torch.Tensor` while each device holds only its component.
 """
 
-from spmd import checkpoint, random
+from spmd import checkpoint, interop, random
 from spmd.api import copy_to_mesh, pack, relayout, relayout_like, to_global, unpack
 from spmd.creation import call_with_layout, empty, fill, full, ones, ones_like, zeros, zeros_like
 from spmd.data import DTensorDataset, create_dtensor_iterable
@@ -20,6 +20,7 @@ from spmd.runtime import (barrier, client_id, create_distributed_mesh, initializ
                           local_devices, num_clients, num_global_devices, num_local_devices,
                           shutdown_accelerator_system)
 from spmd.function_mode import Function, function
+from spmd.interop import from_jax_array, from_torch_dtensor, to_jax_array, to_torch_dtensor
 from spmd.nn import LayoutMap, Strategy, distribute_module
 from spmd.scope import default_mesh, get_default_mesh, implicit_replication
 from spmd.variable import DVariable
@@ -37,4 +38,5 @@ __all__ = [
     "runtime", "initialize_accelerator_system", "shutdown_accelerator_system", "client_id", "num_clients",
     "job_name", "local_devices", "num_local_devices", "num_global_devices", "create_distributed_mesh", "barrier",
     "CollectiveError", "function", "Function", "Explanation", "CollectiveRecord", "TraceError",
+    "interop", "to_torch_dtensor", "from_torch_dtensor", "to_jax_array", "from_jax_array",
 ]

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from spmd import jax_sharding, torch_placements
 from spmd.errors import IndivisibleError, LayoutError
+from spmd.hlo_sharding import OpSharding, from_mesh_axes, to_mesh_axes
 from spmd.mesh import Mesh
 
 UNSHARDED = "unsharded"
@@ -179,6 +181,102 @@ class Layout:
             raise LayoutError(f"cannot delete axes {bad} from a layout of rank {self.rank} ({self.sharding_specs})")
         drop = {d % self.rank for d in dims}
         return Layout([s for i, s in enumerate(self._specs) if i not in drop], self._mesh)
+
+    # -- JAX and torch.distributed.tensor ------------------------------------------------------------------------
+    def to_jax(self, jax_mesh=None):
+        """This layout as a `jax.sharding.NamedSharding`: its `PartitionSpec` has one entry per tensor axis (the
+        mesh dim or None). `jax_mesh` defaults to `self.mesh.to_jax()`; one given must have the mesh's axis
+        names and sizes."""
+        self.check_concrete()
+        if jax_mesh is None:
+            jax_mesh = self._mesh.to_jax()
+        else:
+            jax_sharding.check_same_mesh(jax_mesh, self._mesh.dim_names, self._mesh.shape(), f"layout {self!r}")
+        return jax_sharding.named_sharding(jax_mesh, self.axes)
+
+    @classmethod
+    def from_jax(cls, sharding, mesh: Mesh | None = None, rank: int | None = None) -> "Layout":
+        """The layout of a jax `NamedSharding` or `PartitionSpec` (which needs `mesh`) for a tensor of rank `rank`
+        (default: the spec's length; missing trailing entries are unsharded). `mesh` defaults to
+        `Mesh.from_jax(sharding.mesh)`.
+
+        Raises:
+          LayoutError: an entry shards one axis over several mesh axes, is UNCONSTRAINED, or names an axis the
+            mesh lacks; or `mesh` does not match the sharding's mesh.
+        """
+        jax_mesh, spec = jax_sharding.split_sharding(sharding)
+        if mesh is None:
+            if jax_mesh is None:
+                raise LayoutError(f"Layout.from_jax({spec}) needs mesh=: a PartitionSpec names mesh axes but "
+                                  "carries no mesh")
+            mesh = Mesh.from_jax(jax_mesh)
+        elif jax_mesh is not None:
+            jax_sharding.check_same_mesh(jax_mesh, mesh.dim_names, mesh.shape(), f"mesh {mesh!r}")
+        return cls.from_axes(jax_sharding.axes_from_spec(spec, mesh.dim_names, rank), mesh)
+
+    def to_torch(self) -> tuple:
+        """torch DTensor placements, one per mesh dim in the mesh's order: `Shard(i)` where tensor axis i is
+        sharded over that dim, else `Replicate()`.
+
+        >>> mesh = create_mesh([("x", 2), ("y", 4)])
+        >>> Layout(["y", UNSHARDED], mesh).to_torch()
+        (Replicate(), Shard(dim=0))
+        """
+        self.check_concrete()
+        return torch_placements.to_placements(self._mesh.dim_names, self.axes)
+
+    @classmethod
+    def from_torch(cls, mesh: Mesh, placements, rank: int) -> "Layout":
+        """The layout on `mesh` of a rank-`rank` tensor with torch DTensor `placements` (one per mesh dim).
+
+        Raises:
+          LayoutError: a `Partial` placement (a pending reduction: convert the tensor with
+            `spmd.interop.from_torch_dtensor`), a tensor axis sharded over two mesh dims, or a `_StridedShard`.
+
+        >>> from torch.distributed.tensor import Replicate, Shard
+        >>> Layout.from_torch(create_mesh([("x", 2), ("y", 4)]), [Shard(1), Replicate()], rank=2).sharding_specs
+        ['unsharded', 'x']
+        """
+        _check_rank(rank)
+        return cls.from_axes(torch_placements.layout_axes(mesh.dim_names, placements, rank), mesh)
+
+    # -- XLA HLO shardings ---------------------------------------------------------------------------------------
+    def to_hlo_sharding(self, device_ids=None) -> str:
+        """XLA's text for this layout, as JAX prints it for the same `NamedSharding`. Devices are numbered by the
+        mesh's global ids, or by `device_ids` (one per mesh position, in row-major mesh order).
+
+        >>> mesh = create_mesh([("x", 2), ("y", 4)])
+        >>> Layout(["y", UNSHARDED], mesh).to_hlo_sharding()
+        '{devices=[4,1,2]<=[2,4]T(1,0) last_tile_dim_replicate}'
+        >>> Layout(["x", "y"], mesh).to_hlo_sharding(device_ids=[7, 6, 5, 4, 3, 2, 1, 0])
+        '{devices=[2,4]7,6,5,4,3,2,1,0}'
+        """
+        self.check_concrete()
+        return from_mesh_axes(self._mesh, self.axes, device_ids).to_text()
+
+    def to_op_sharding(self, device_ids=None) -> OpSharding:
+        """This layout as the fields of XLA's `OpSharding` proto (see `to_hlo_sharding`).
+
+        >>> Layout(["y", "x"], create_mesh([("x", 2), ("y", 4)])).to_op_sharding().iota_transpose_perm
+        (1, 0)
+        """
+        self.check_concrete()
+        return from_mesh_axes(self._mesh, self.axes, device_ids).to_op_sharding()
+
+    @classmethod
+    def from_hlo_sharding(cls, sharding, mesh: Mesh, device_ids=None, rank: int | None = None) -> "Layout":
+        """The layout on `mesh` of XLA's sharding `sharding`: its text, or an `OpSharding`-like object (jax's
+        proto). `rank` is needed for `{replicated}` and checked otherwise; `device_ids` as in `to_hlo_sharding`.
+
+        Raises:
+          LayoutError: the sharding is maximal (on more than one device) or manual, splits a tensor axis over
+            several mesh dims or a subset of one, uses devices not of the mesh, or tiles another rank.
+
+        >>> Layout.from_hlo_sharding("{devices=[1,2,4]<=[8] last_tile_dim_replicate}",
+        ...                          create_mesh([("x", 2), ("y", 4)])).sharding_specs
+        ['unsharded', 'x']
+        """
+        return cls.from_axes(to_mesh_axes(sharding, mesh, rank, device_ids), mesh)
 
     # -- string format, value semantics --------------------------------------------------------------------------
     def to_string(self) -> str:

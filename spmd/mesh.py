@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from spmd.clients import local_cuda_index
+from spmd import jax_sharding
 from spmd.errors import LayoutError
 
 MeshDimension = collections.namedtuple("MeshDimension", ["name", "size"])
@@ -229,6 +230,33 @@ class Mesh:
             return [d.rsplit("/device:", 1)[0] + "/device:CPU:" + d.rsplit(":", 1)[1] for d in devices]
         return Mesh(self._dim_names, self.global_device_ids(), self._local_ids, on_cpu(self._local_devices),
                     global_devices=on_cpu(self._global_devices))
+
+    # -- JAX ------------------------------------------------------------------------------------------------------
+    def to_jax(self, devices=None):
+        """The `jax.sharding.Mesh` with this mesh's dim names and shape (jax must be installed).
+
+        Args:
+          devices: jax devices, one per mesh device (flat or shaped like the mesh). Default: for spmd device
+            `TYPE:i` the jax device of id `i` (`create_mesh`'s `CPU:0..n-1` are jax's first n devices), or jax's
+            first `size` devices when the mesh's device indices are not ids jax has.
+
+        Raises:
+          LayoutError: jax has fewer devices than the mesh (the message says how to get more CPU devices).
+        """
+        return jax_sharding.make_jax_mesh(self._dim_names, self._shape, self._device_indices(), devices)
+
+    @classmethod
+    def from_jax(cls, jax_mesh, device_type: str = "CPU") -> "Mesh":
+        """An in-process mesh with the axis names and shape of the `jax.sharding.Mesh` `jax_mesh`; its device at
+        position k is `'<device_type>:<id>'`, named after jax's device at position k (so a jax mesh over a permuted
+        device array keeps its order through `to_jax`)."""
+        names, shape, devices = jax_sharding.mesh_from_jax(jax_mesh, device_type)
+        return cls(names, np.arange(len(devices)).reshape(shape), list(range(len(devices))), devices)
+
+    def _device_indices(self) -> list[int] | None:
+        """Per position, the index `i` of device `TYPE:i`, where this process knows every device of the mesh."""
+        devices = self._global_devices or (self._local_devices if self.is_fully_local() else ())
+        return [int(d.rsplit(":", 1)[1]) for d in devices] or None
 
     # -- string format, value semantics --------------------------------------------------------------------------
     def _format(self) -> str:

@@ -5,6 +5,8 @@ import pathlib
 import re
 import warnings
 
+import pytest
+
 GUIDE = pathlib.Path(__file__).resolve().parent.parent / "docs" / "guide.md"
 FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 
@@ -50,4 +52,16 @@ def test_function_mode_guide_examples():
         failed, attempted = doctest.testfile(str(guide), module_relative=False, optionflags=FLAGS, verbose=False,
                                              report=True, raise_on_error=False, globs=dict(vars(namespace)))
     assert attempted >= 20
+    assert failed == 0, f"{failed} of {attempted} examples of {guide.name} failed (see the output above)"
+
+
+def test_interop_guide_examples():
+    """docs/interop.md: PyTorch/XLA, JAX, torch DTensor and HuggingFace users' examples."""
+    pytest.importorskip("jax")
+    guide = GUIDE.parent / "interop.md"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        failed, attempted = doctest.testfile(str(guide), module_relative=False, optionflags=FLAGS, verbose=False,
+                                             report=True, raise_on_error=False, globs={})
+    assert attempted >= 15
     assert failed == 0, f"{failed} of {attempted} examples of {guide.name} failed (see the output above)"

@@ -17,13 +17,14 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "spmd"
 
 FLOORS = {  # a module's floor is that of its longest matching entry; `spmd` alone is the package's __init__
-    0: ["spmd.errors", "spmd.mesh", "spmd.layout", "spmd.clients"],  # values
+    0: ["spmd.errors", "spmd.mesh", "spmd.layout", "spmd.clients", "spmd.hlo_sharding", "spmd.jax_sharding",
+        "spmd.torch_placements"],  # values
     1: ["spmd.collectives", "spmd.explain", "spmd.tracing"],  # collectives
     2: ["spmd.dtensor", "spmd.ops", "spmd.random", "spmd.shards"],  # the DTensor
     3: ["spmd.engine"],  # the rule engine
     4: ["spmd.api", "spmd.creation", "spmd.scope", "spmd.variable", "spmd.function_mode", "spmd.forbidden",
         "spmd.visualize"],
-    5: ["spmd.nn", "spmd.data", "spmd.checkpoint", "spmd.runtime"],
+    5: ["spmd.nn", "spmd.data", "spmd.checkpoint", "spmd.runtime", "spmd.xla", "spmd.interop"],
     6: ["spmd.cli", "spmd.demo", "spmd"],
 }
 _FLOOR_OF = {prefix: floor for floor, prefixes in FLOORS.items() for prefix in prefixes}
