@@ -84,9 +84,10 @@ def torch_loss(p, x, y):
     return ((out - y) ** 2).mean()
 
 
-def torch_runner(params, x, y, config: str | None):
+def torch_runner(params, x, y, config: str | None, compiled: bool = False):
     """step() -> loss tensor: value_and_grad, then p -= LR * g (in place), as the JAX step. `config` None is
-    plain torch; otherwise spmd on 1 device / data parallel x=8 / batch=4 × model=2."""
+    plain torch; otherwise spmd on 1 device / data parallel x=8 / batch=4 × model=2, eager or (`compiled`) under
+    `spmd.function` (the gradient and the update run as compiled graphs; `autograd.grad` is torch's own break)."""
     p = {k: torch.from_numpy(v.copy()) for k, v in params.items()}
     x, y = torch.from_numpy(x.copy()), torch.from_numpy(y.copy())
     if config is not None:
@@ -116,7 +117,7 @@ def torch_runner(params, x, y, config: str | None):
             for w, g in zip(leaves, grads):
                 w.sub_(g, alpha=LR)
         return loss
-    return step
+    return spmd.function(step, fullgraph=False) if compiled else step
 
 
 def torch_value(loss) -> float:
@@ -184,11 +185,12 @@ def caption(data: dict) -> str:
 def readme_table(data: dict) -> str:
     """README.md's table from jax_mlp.json: ms/step of plain torch, spmd and JAX per configuration."""
     m = lambda k: data["results"].get(k, {}).get("median_ms")  # noqa: E731
-    rows = [[LABELS[c], fmt(m("torch/1dev")), fmt(m(f"spmd/{c}")), fmt(m(f"jax/{c}")),
-             ratio(m(f"spmd/{c}"), m(f"jax/{c}"))] for c in CONFIGS]
+    rows = [[LABELS[c], fmt(m("torch/1dev")), fmt(m(f"spmd/{c}")), fmt(m(f"spmd.function/{c}")),
+             fmt(m(f"jax/{c}")), ratio(m(f"spmd/{c}"), m(f"jax/{c}")), ratio(m(f"spmd.function/{c}"), m(f"jax/{c}"))]
+            for c in CONFIGS]
     s = data["shape"]
     hdr = [f"2-layer MLP, batch {s['B']}, {s['D']} → {s['H']} → {s['D']}, ms/step", "plain torch (1 device)",
-           "spmd", "JAX", "spmd / JAX"]
+           "spmd eager", "spmd.function", "JAX", "spmd eager / JAX", "spmd.function / JAX"]
     return caption(data) + "\n\n" + md_table(hdr, rows)
 
 
@@ -234,6 +236,7 @@ def _main(a) -> dict:
     runners[("torch", "1dev")] = torch_runner(params, x, y, None)
     for c in CONFIGS:
         runners[("spmd", c)] = torch_runner(params, x, y, c)
+        runners[("spmd.function", c)] = torch_runner(params, x, y, c, compiled=True)
         if jax is not None:
             try:
                 runners[("jax", c)], collectives[c] = jax_runner(jax, params, x, y, c)
@@ -271,14 +274,17 @@ def _main(a) -> dict:
     def m(fw, c, key="median_ms"):
         return res.get((fw, c), {}).get(key)
     t_plain = m("torch", "1dev")
-    hdr = ["configuration", "spmd ms/step", "JAX ms/step", "plain torch ms/step (1 device)", "spmd/JAX", "spmd/torch",
-           "JAX/torch", "spmd CPU ms/step", "JAX CPU ms/step", "spmd loss rel. Δ", "JAX loss rel. Δ"]
+    hdr = ["configuration", "spmd ms/step", "spmd.function ms/step", "JAX ms/step", "plain torch ms/step (1 device)",
+           "spmd/JAX", "spmd.function/JAX", "spmd/torch", "JAX/torch", "spmd CPU ms/step", "JAX CPU ms/step",
+           "spmd loss rel. Δ", "spmd.function loss rel. Δ", "JAX loss rel. Δ"]
     rows = []
     for c in CONFIGS:
-        rows.append([LABELS[c], fmt(m("spmd", c), 2), fmt(m("jax", c), 2), fmt(t_plain, 2),
-                     ratio(m("spmd", c), m("jax", c)), ratio(m("spmd", c), t_plain), ratio(m("jax", c), t_plain),
+        rows.append([LABELS[c], fmt(m("spmd", c), 2), fmt(m("spmd.function", c), 2), fmt(m("jax", c), 2),
+                     fmt(t_plain, 2), ratio(m("spmd", c), m("jax", c)), ratio(m("spmd.function", c), m("jax", c)),
+                     ratio(m("spmd", c), t_plain), ratio(m("jax", c), t_plain),
                      fmt(m("spmd", c, "median_cpu_ms"), 1), fmt(m("jax", c, "median_cpu_ms"), 1),
                      f"{res[('spmd', c)]['max_rel_loss_diff']:.1e}",
+                     f"{res[('spmd.function', c)]['max_rel_loss_diff']:.1e}",
                      f"{res[('jax', c)]['max_rel_loss_diff']:.1e}" if ("jax", c) in res else "–"])
     data = {"env": environment(), "jax": jax.__version__ if jax is not None else None, "jax_skipped": why,
             "threads": a.threads, "cores": cores, "shape": shape, "steps": steps, "reps": reps, "warm": warm,
