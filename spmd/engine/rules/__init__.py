@@ -1,5 +1,5 @@
 """Sharding rules, one module per algebraic family; importing this package registers them all
 (`spmd.engine.registry` finds the rule of an op)."""
 
-from spmd.engine.rules import (contraction, loss, nn, pointwise, random_ops, reduction, tensor_ops, view,  # noqa: F401
+from spmd.engine.rules import (contraction, conv, loss, nn, pointwise, random_ops, reduction, tensor_ops, view,  # noqa: F401
                                vocab_parallel)

@@ -1,4 +1,4 @@
-"""Neural-network ops: layer norm, embedding, negative log-likelihood (and their backward ops).
+"""Neural-network ops: layer norm, batch norm, embedding, negative log-likelihood (and their backward ops).
 
 Each works on stacked components `(L, *local)`; where an op would sum over its leading axes (a weight
 gradient), the sum is taken per device and then all-reduced over the mesh dims that shard those axes.
@@ -6,10 +6,13 @@ gradient), the sum is taken per device and then all-reduced over the mesh dims t
 
 from __future__ import annotations
 
+import math
+
 import torch
 
+from spmd.collectives import Collective, Kind
 from spmd.engine.registry import register
-from spmd.engine.decision import Decision, OpCall, unsupported
+from spmd.engine.decision import Decision, OpCall, TensorSpec, unsupported
 from spmd.engine.rules.common import constant, shard_starts
 from spmd.engine.rules.reduction import arg
 
@@ -220,3 +223,113 @@ def attention_rule(call: OpCall) -> Decision:
         outs = call.func(*flat, *a[len(tensors):], **kw)
         return tuple(o.unflatten(0, (stack, b)) for o in outs)
     return Decision(tuple(required), outputs, kernel, single=False)
+
+
+# -- batch norm ------------------------------------------------------------------------------------------------------
+class _BatchNorm:
+    """Batch norm of `x` [N, C, *spatial]: per-channel statistics over every other axis. Those axes keep their
+    sharding (the statistics are sums, all-reduced over their mesh dims: the global batch's, as SyncBatchNorm);
+    the channel axis is sharded as the running statistics are (or as the input's, without them)."""
+
+    def __init__(self, call: OpCall, x, running):
+        c = running.axes[0] if running is not None else x.axes[1] if x.rank > 1 else None
+        self.c = c  # running statistics are updated in place: they keep their layout, the input follows
+        self.x_axes = tuple(c if i == 1 else None if m == c else m for i, m in enumerate(x.axes))
+        self.batch = tuple(m for i, m in enumerate(self.x_axes) if i != 1 and m is not None)
+        self.count = x.shape[0] * math.prod(x.shape[2:])  # elements per channel in the global batch
+        self.dims = (1,) + tuple(range(3, x.rank + 1))  # the stacked components' per-channel reduction axes
+        self.view = (1, -1) + (1,) * (x.rank - 2)  # a stacked (L, C) statistic against (L, N, C, *spatial)
+
+    def per_channel(self, t: torch.Tensor) -> torch.Tensor:
+        return t.view(t.shape[0], *self.view)
+
+    def collectives(self):
+        return (Collective(Kind.ALL_REDUCE, self.batch, op="sum"),) if self.batch else ()
+
+
+def _optional_specs(call: OpCall, names) -> dict:
+    """The TensorSpecs of the (optional) tensor arguments `names` that are given, by name."""
+    return {n: arg(call, n) for n in names if isinstance(arg(call, n), TensorSpec)}
+
+
+@register(aten.native_batch_norm.default)
+def batch_norm_rule(call: OpCall) -> Decision:
+    """Training: the batch's statistics (two all-reduces over the batch's mesh dims: mean, then the centred
+    squares), running statistics updated in place; evaluation: the running statistics, no collective."""
+    specs = _optional_specs(call, ("input", "weight", "bias", "running_mean", "running_var"))
+    x = specs["input"]
+    bn = _BatchNorm(call, x, specs.get("running_mean"))
+    training, momentum, eps = arg(call, "training"), arg(call, "momentum"), arg(call, "eps")
+    names = [n for n in ("input", "weight", "bias", "running_mean", "running_var") if n in specs]
+    inputs = tuple(bn.x_axes if n == "input" else (bn.c,) for n in names)
+    slot = {n: i for i, n in enumerate(names)}
+
+    def affine(l, y):
+        if "weight" in slot:
+            y = y * bn.per_channel(l[slot["weight"]])
+        return y + bn.per_channel(l[slot["bias"]]) if "bias" in slot else y
+
+    def kernel(l, a, k, run=None):
+        xl = l[0]
+        if not training:
+            mean, var = l[slot["running_mean"]], l[slot["running_var"]]
+            invstd = (var + eps).rsqrt()
+            y = affine(l, (xl - bn.per_channel(mean)) * bn.per_channel(invstd))
+            return y, xl.new_empty(xl.shape[0], 0), xl.new_empty(xl.shape[0], 0)  # torch's empty statistics
+        total = lambda t: run(0, t) if bn.batch else t  # noqa: E731
+        mean = total(xl.sum(bn.dims)) / bn.count
+        centred = xl - bn.per_channel(mean)
+        var = total(centred.square().sum(bn.dims)) / bn.count
+        invstd = (var + eps).rsqrt()
+        if "running_mean" in slot:
+            l[slot["running_mean"]].mul_(1 - momentum).add_(mean, alpha=momentum)
+            unbiased = var * (bn.count / max(bn.count - 1, 1))
+            l[slot["running_var"]].mul_(1 - momentum).add_(unbiased, alpha=momentum)
+        return affine(l, centred * bn.per_channel(invstd)), mean, invstd
+
+    stats = (bn.c,) if training else (None,)
+    collectives = bn.collectives() if training else ()
+    if collectives:
+        return Decision(inputs, (bn.x_axes, stats, stats), kernel, collectives=collectives, single=False)
+    return Decision(inputs, (bn.x_axes, stats, stats), lambda l, a, k: kernel(l, a, k), single=False)
+
+
+@register(aten.native_batch_norm_backward.default)
+def batch_norm_backward_rule(call: OpCall) -> Decision:
+    """The input's gradient needs the batch's sums of the gradient (one all-reduce, two sums stacked); weight
+    and bias gradients are those sums (training) or pending sums over the batch's mesh dims (evaluation)."""
+    names = ("grad_out", "input", "weight", "running_mean", "running_var", "save_mean", "save_invstd")
+    specs = _optional_specs(call, names)
+    bn = _BatchNorm(call, specs["input"], specs.get("running_mean"))
+    training, eps, mask = arg(call, "train"), arg(call, "eps"), list(arg(call, "output_mask"))
+    given = [n for n in names if n in specs]
+    slot = {n: i for i, n in enumerate(given)}
+    inputs = tuple(bn.x_axes if n in ("grad_out", "input") else (bn.c,) for n in given)
+
+    def kernel(l, a, k, run=None):
+        g, xl = l[0], l[1]
+        if training:
+            mean, invstd = l[slot["save_mean"]], l[slot["save_invstd"]]
+        else:
+            mean, invstd = l[slot["running_mean"]], (l[slot["running_var"]] + eps).rsqrt()
+        xhat = (xl - bn.per_channel(mean)) * bn.per_channel(invstd)
+        sums = torch.stack([g.sum(bn.dims), (g * xhat).sum(bn.dims)])  # (2, L, C): one collective for both
+        if training and bn.batch:
+            sums = run(0, sums.transpose(0, 1)).transpose(0, 1)
+        scale = bn.per_channel(invstd)
+        if "weight" in slot:
+            scale = scale * bn.per_channel(l[slot["weight"]])
+        if not mask[0]:
+            gx = None
+        elif training:
+            gx = scale * (g - bn.per_channel(sums[0]) / bn.count - xhat * bn.per_channel(sums[1]) / bn.count)
+        else:
+            gx = g * scale
+        return gx, sums[1] if mask[1] else None, sums[0] if mask[2] else None
+
+    pending = () if training else bn.batch  # evaluation: each device's sums, to be reduced by the consumer
+    outputs = (bn.x_axes if mask[0] else None, (bn.c,) if mask[1] else None, (bn.c,) if mask[2] else None)
+    reduce = ((), pending if mask[1] else (), pending if mask[2] else ())
+    if training and bn.batch:
+        return Decision(inputs, outputs, kernel, collectives=bn.collectives(), reduce=reduce, single=False)
+    return Decision(inputs, outputs, lambda l, a, k: kernel(l, a, k), reduce=reduce, single=False)

@@ -1,0 +1,162 @@
+"""Convolutions, pooling and resampling on DTensors: every layout gives plain torch's values and gradients, and
+the batch and channel axes stay sharded (no gather)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import spmd
+from spmd import UNSHARDED as U
+from spmd import Layout
+from spmd.explain import Recorder
+from tests.sweep import MESH, check_op, rand
+
+CONVS = {
+    "conv2d": (lambda x, w, b: F.conv2d(x, w, b, padding=1), (4, 4, 6, 6), (4, 4, 3, 3)),
+    "conv2d_stride_dilation": (lambda x, w, b: F.conv2d(x, w, b, stride=2, dilation=2), (2, 4, 8, 8), (4, 4, 3, 3)),
+    "conv2d_groups": (lambda x, w, b: F.conv2d(x, w, b, groups=2), (2, 4, 5, 5), (4, 2, 3, 3)),
+    "conv1d": (lambda x, w, b: F.conv1d(x, w, b, padding=2), (4, 2, 7), (4, 2, 3)),
+    "conv3d": (lambda x, w, b: F.conv3d(x, w, b), (2, 2, 4, 4, 4), (2, 2, 2, 2, 2)),
+    "conv2d_unbatched": (lambda x, w, b: F.conv2d(x, w, b), (4, 5, 5), (2, 4, 3, 3)),
+    "conv_transpose2d": (lambda x, w, b: F.conv_transpose2d(x, w, b, stride=2), (2, 4, 3, 3), (4, 2, 3, 3)),
+    "conv_transpose2d_groups": (lambda x, w, b: F.conv_transpose2d(x, w, b, groups=2, output_padding=1, stride=2),
+                                (2, 4, 3, 3), (4, 2, 2, 2)),
+}
+
+
+@pytest.mark.parametrize("name", list(CONVS))
+def test_convolution_matches_torch_for_every_layout(name):
+    fn, x_shape, w_shape = CONVS[name]
+    transposed = "transpose" in name
+    groups = 2 if "groups" in name else 1
+    out_channels = w_shape[1] * groups if transposed else w_shape[0]
+    inputs = [rand(*x_shape), rand(*w_shape, seed=1), rand(out_channels, seed=2)]
+    assert check_op(fn, inputs, sample=16) >= 12
+
+
+def _layout(*specs):
+    return Layout(list(specs), MESH)
+
+
+def _issued(fn):
+    with Recorder() as r:
+        out = fn()
+    return out, [(c.kind, c.mesh_dims) for c in r.collectives]
+
+
+def test_batch_and_output_channels_stay_sharded():
+    x = spmd.copy_to_mesh(rand(4, 4, 6, 6), _layout("x", U, U, U))
+    w = spmd.copy_to_mesh(rand(4, 4, 3, 3, seed=1), _layout("y", U, U, U))
+    b = spmd.copy_to_mesh(rand(4, seed=2), _layout("y"))
+    out, collectives = _issued(lambda: F.conv2d(x, w, b, padding=1))
+    assert collectives == []
+    assert spmd.fetch_layout(out).sharding_specs == ["x", "y", U, U]
+    torch.testing.assert_close(spmd.to_global(out), F.conv2d(rand(4, 4, 6, 6), rand(4, 4, 3, 3, seed=1),
+                                                             rand(4, seed=2), padding=1))
+
+
+def test_input_channels_sharded_leave_one_pending_sum_and_the_bias_is_added_once():
+    x = spmd.copy_to_mesh(rand(4, 4, 6, 6), _layout("x", "y", U, U))
+    w = spmd.copy_to_mesh(rand(4, 4, 3, 3, seed=1), _layout(U, "y", U, U))
+    b = spmd.copy_to_mesh(rand(4, seed=2), _layout(U))
+    out, collectives = _issued(lambda: F.conv2d(x, w, b))
+    assert collectives == [("all_reduce", ("y",))]  # the bias epilogue resolves the sum at once
+    torch.testing.assert_close(spmd.to_global(out), F.conv2d(rand(4, 4, 6, 6), rand(4, 4, 3, 3, seed=1),
+                                                             rand(4, seed=2)))
+
+
+def test_weight_gradient_of_a_batch_sharded_convolution_is_one_all_reduce():
+    x = spmd.copy_to_mesh(rand(4, 4, 6, 6), _layout("x", U, U, U))
+    w = spmd.copy_to_mesh(rand(4, 4, 3, 3, seed=1), _layout(U, U, U, U)).requires_grad_()
+    out, forward = _issued(lambda: F.conv2d(x, w))
+    _, backward = _issued(lambda: out.sum().backward())
+    assert forward == [] and backward == [("all_reduce", ("x",))]
+    ref = rand(4, 4, 3, 3, seed=1).requires_grad_()
+    F.conv2d(rand(4, 4, 6, 6), ref).sum().backward()
+    torch.testing.assert_close(spmd.to_global(w.grad), ref.grad)
+
+
+SPATIAL = {
+    "max_pool2d": (lambda x: F.max_pool2d(x, 2), (4, 4, 6, 6)),
+    "max_pool2d_indices": (lambda x: F.max_pool2d(x, 3, stride=2, padding=1, return_indices=True), (2, 4, 6, 6)),
+    "max_pool3d": (lambda x: F.max_pool3d(x, 2), (2, 2, 4, 4, 4)),
+    "max_pool1d": (lambda x: F.max_pool1d(x, 2), (4, 4, 6)),
+    "avg_pool2d": (lambda x: F.avg_pool2d(x, 3, stride=2, padding=1, count_include_pad=False), (4, 4, 6, 6)),
+    "avg_pool1d": (lambda x: F.avg_pool1d(x, 2), (4, 2, 6)),
+    "avg_pool3d": (lambda x: F.avg_pool3d(x, 2), (2, 2, 4, 4, 4)),
+    "adaptive_avg_pool2d": (lambda x: F.adaptive_avg_pool2d(x, (2, 3)), (4, 4, 6, 6)),
+    "adaptive_max_pool2d": (lambda x: F.adaptive_max_pool2d(x, 3), (4, 2, 6, 6)),
+    "unbatched_max_pool2d": (lambda x: F.max_pool2d(x, 2), (4, 6, 6)),
+    "nearest2d": (lambda x: F.interpolate(x, scale_factor=2, mode="nearest"), (4, 2, 3, 3)),
+    "nearest_exact1d": (lambda x: F.interpolate(x, size=7, mode="nearest-exact"), (4, 2, 4)),
+    "linear1d": (lambda x: F.interpolate(x, size=7, mode="linear", align_corners=True), (4, 2, 4)),
+    "bilinear2d": (lambda x: F.interpolate(x, size=(5, 7), mode="bilinear"), (4, 2, 3, 3)),
+    "bicubic2d": (lambda x: F.interpolate(x, scale_factor=2, mode="bicubic"), (2, 4, 3, 3)),
+    "bilinear2d_aa": (lambda x: F.interpolate(x, size=(2, 2), mode="bilinear", antialias=True), (2, 4, 5, 5)),
+    "trilinear3d": (lambda x: F.interpolate(x, scale_factor=2, mode="trilinear"), (2, 2, 2, 2, 2)),
+    "reflection_pad2d": (lambda x: F.pad(x, (1, 2, 2, 1), mode="reflect"), (4, 2, 4, 4)),
+    "replication_pad1d": (lambda x: F.pad(x, (2, 1), mode="replicate"), (4, 2, 4)),
+    "reflection_pad3d": (lambda x: F.pad(x, (1, 1, 1, 1, 1, 1), mode="reflect"), (2, 2, 3, 3, 3)),
+}
+
+
+@pytest.mark.parametrize("name", list(SPATIAL))
+def test_pooling_and_resampling_match_torch_for_every_layout(name):
+    fn, shape = SPATIAL[name]
+    assert check_op(fn, [rand(*shape)], sample=10) >= 5
+
+
+def test_a_cnn_trains_without_gathering_its_activations():
+    """Conv, pooling and resampling keep the batch sharded: the forward runs no collective, the backward only
+    the weight gradients' all-reduces over the batch."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
+                              torch.nn.Conv2d(8, 4, 3), torch.nn.Upsample(scale_factor=2, mode="bilinear"),
+                              torch.nn.AdaptiveAvgPool2d((2, 2)), torch.nn.Flatten(), torch.nn.Linear(16, 2)).double()
+    reference = copy.deepcopy(net)
+    x = torch.randn(4, 3, 8, 8, dtype=torch.float64)
+    spmd.distribute_module(net, MESH, spmd.LayoutMap({}))
+    out, forward = _issued(lambda: net(spmd.copy_to_mesh(x, _layout("x", U, U, U))))
+    assert forward == []
+    _, backward = _issued(lambda: spmd.to_global(out).square().sum().backward())
+    assert set(backward) == {("all_reduce", ("x",))}
+    reference(x).square().sum().backward()
+    for p, ref in zip(net.parameters(), reference.parameters()):
+        torch.testing.assert_close(spmd.to_global(p.grad), ref.grad)
+    assert not any(op in f for f in spmd.cache_stats()["fallbacks"] for op in ("conv", "pool", "upsample"))
+
+
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("shape", [(4, 4, 3, 2), (4, 2)])
+def test_batch_norm_matches_torch_for_every_layout(training, shape):
+    """Training uses the global batch's statistics (as SyncBatchNorm); the running statistics are updated in
+    place to torch's values whatever their layout."""
+    c = shape[1]
+    mean, var = rand(c, seed=3), rand(c, seed=4).abs() + 0.5
+
+    def fn(x, w, b):
+        rm, rv = mean.clone(), var.clone()
+        if spmd.is_dtensor(x):
+            rm, rv = (spmd.copy_to_mesh(t, Layout(spmd.fetch_layout(w).sharding_specs, MESH)) for t in (rm, rv))
+        out = F.batch_norm(x, rm, rv, w, b, training=training, momentum=0.3)
+        global_rm = spmd.to_global(rm) if spmd.is_dtensor(rm) else rm
+        ref_rm, ref_rv = mean.clone(), var.clone()
+        F.batch_norm(spmd.to_global(x).detach() if spmd.is_dtensor(x) else x.detach(), ref_rm, ref_rv,
+                     training=training, momentum=0.3)
+        torch.testing.assert_close(global_rm, ref_rm)
+        return out
+
+    assert check_op(fn, [rand(*shape), rand(c, seed=1), rand(c, seed=2)], sample=16) >= 8
+
+
+def test_batch_norm_statistics_are_two_all_reduces_over_the_batch():
+    x = spmd.copy_to_mesh(rand(4, 4, 3, 2), _layout("x", "y", U, U))
+    w, b = (spmd.copy_to_mesh(rand(4, seed=s), _layout("y")) for s in (1, 2))
+    rm, rv = (spmd.copy_to_mesh(torch.zeros(4, dtype=torch.float64), _layout("y")) for _ in range(2))
+    out, collectives = _issued(lambda: F.batch_norm(x, rm, rv, w, b, training=True))
+    assert collectives == [("all_reduce", ("x",)), ("all_reduce", ("x",))]
+    assert spmd.fetch_layout(out).sharding_specs == ["x", "y", U, U]
