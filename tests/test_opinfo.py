@@ -22,14 +22,17 @@ more), because CI's plain `pytest -q` runs slow tests too:
     SPMD_OPINFO_FULL=1 python -m pytest -q tests/test_opinfo.py
 
 `python tests/test_opinfo.py [FIRST:LAST]` sweeps all ops (or a slice of them) outside pytest and prints a
-markdown report: the outcome counts, the bugs, and which expectation entries are out of date.
+markdown report: the outcome counts, the bugs, and which expectation entries are out of date;
+`python tests/test_opinfo.py --docs` writes docs/ops.md (which ops have sharded rules, run replicated, raise).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
+import pathlib
 import sys
 import time
 import warnings
@@ -40,6 +43,7 @@ import torch.utils._pytree as pytree
 
 import spmd
 from spmd import UNSHARDED, Layout
+from spmd.engine import dispatch
 from spmd.errors import MixedTensorError, UnsupportedOpError
 
 import opinfo_expected as expected
@@ -417,7 +421,59 @@ def report(names: list[str], mesh) -> str:
     ])
 
 
+# -- the docs page ----------------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _fallbacks():
+    """The aten ops that ran through spmd's replicated fallback inside the block."""
+    saved, seen = set(dispatch._FELL_BACK), set()
+    dispatch._FELL_BACK.clear()
+    try:
+        yield seen
+    finally:
+        seen.update(dispatch._FELL_BACK)
+        dispatch._FELL_BACK.update(saved)
+
+
+def docs_page(mesh) -> str:
+    """docs/ops.md: which ops of torch's op database have sharded rules, which run replicated, which raise."""
+    swept = [n for n in ops() if n not in expected.SKIPPED]
+    results, fell = {}, {}
+    for name in swept:
+        with _fallbacks() as seen:
+            cases = sweep_op(name, mesh)
+        if cases:
+            results[name], fell[name] = cases, seen
+    unsupported = {n: sorted({c.phase for c in cases if c.kind == "unsupported"}) for n, cases in results.items()}
+    unsupported = {n: phases for n, phases in unsupported.items() if phases}
+    replicated = {n: sorted(str(f) for f in seen) for n, seen in fell.items() if seen and n not in unsupported}
+    sharded = len(results) - len(unsupported) - len(replicated) - len(expected.KNOWN_BUGS)
+    return "\n".join([
+        "# Op support", "",
+        f"Written by `python tests/test_opinfo.py --docs` (torch {torch.__version__}): every op of torch's op "
+        f"database that supports float32 on the CPU, {len(results)} of them with tensor samples, swept on a 2x2 mesh "
+        "replicated and sharded over one and two mesh dimensions, forward and backward, against plain torch "
+        "(values, gradients and every device's component). What an op does on DTensors:", "",
+        "| | ops |", "|---|---|",
+        f"| sharded rules: runs where the data is, collectives only where the math needs them | {sharded} |",
+        f"| replicated fallback: correct, but gathers sharded inputs on every device | {len(replicated)} |",
+        f"| raises `UnsupportedOpError` / `MixedTensorError` (in some phase) | {len(unsupported)} |",
+        f"| known bugs (strict xfails in the tests) | {len(expected.KNOWN_BUGS)} |",
+        f"| not swept: random, uninitialised or sparse | {len(ops()) - len(swept)} |", "",
+        "`spmd.cache_stats()['fallbacks']` lists the aten ops that ran replicated in a program, and each warns "
+        "once.", "",
+        "## Ops that raise", "", *[f"- `{n}`: {', '.join(p)}" for n, p in sorted(unsupported.items())], "",
+        "## Known bugs", "", *[f"- `{n}`: {why}" for n, why in sorted(expected.KNOWN_BUGS.items())], "",
+        "## Ops that run replicated (the aten ops without a sharded rule they reach)", "",
+        *[f"- `{n}`: {', '.join(f'`{f}`' for f in fs)}" for n, fs in sorted(replicated.items())], ""])
+
+
 if __name__ == "__main__":
+    mesh = spmd.create_mesh([("x", 2), ("y", 2)])
+    if sys.argv[1:] == ["--docs"]:
+        page = pathlib.Path(__file__).resolve().parent.parent / "docs" / "ops.md"
+        page.write_text(docs_page(mesh))
+        print(f"wrote {page}")
+        sys.exit()
     first, _, last = (sys.argv[1] if len(sys.argv) > 1 else ":").partition(":")
     names = list(ops())[int(first or 0):int(last) if last else None]
-    print(report(names, spmd.create_mesh([("x", 2), ("y", 2)])))
+    print(report(names, mesh))
