@@ -4,27 +4,33 @@
 buffer into a DTensor) with the layout its name maps to, in place. A model built on the `meta` device is
 materialised shard by shard: each device allocates only its own shard and the module's own
 `reset_parameters()` initialises it; spmd's random ops are layout-invariant, so the values do not depend on the
-mesh or the layouts. `Strategy` bundles a mesh, a batch dimension and a layout map (the seeds' `DTensorStrategy`).
+mesh or the layouts. The forward of every distributed (sub)module runs under `spmd.implicit_replication()`: a plain
+tensor it makes itself (position ids, a causal mask) holds a global value and is taken as replicated, so models
+from the ecosystem run unchanged; the plain tensor arguments of the outermost call still raise `MixedTensorError`.
+`Strategy` bundles a mesh, a batch dimension and a layout map (the seeds' `DTensorStrategy`).
 """
 
 from __future__ import annotations
 
 import collections
+import inspect
 import re
+import types
 import warnings
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 
 from spmd.api import copy_to_mesh, relayout
 from spmd.creation import empty
 from spmd.data import DTensorDataset
 from spmd.dtensor import DTensor
-from spmd.errors import IndivisibleError, LayoutError
+from spmd.errors import IndivisibleError, LayoutError, MixedTensorError
 from spmd.layout import Layout
 from spmd.mesh import Mesh
-from spmd.scope import default_mesh
+from spmd.scope import EAGER_IMPLICIT_REPLICATION, default_mesh, implicit_replication, replicates_plain
 from spmd.variable import DVariable
 
 __all__ = ["LayoutMap", "distribute_module", "Strategy"]
@@ -72,7 +78,9 @@ class LayoutMap(collections.abc.MutableMapping):
             raise ValueError(f"LayoutMap key {key!r} is not a valid regular expression: {e}") from None
         if isinstance(value, Layout):
             stored = value
-        elif isinstance(value, (list, tuple)) and all(isinstance(s, str) for s in value):
+        elif isinstance(value, (list, tuple)) and all(
+                isinstance(s, str) or (isinstance(s, (list, tuple)) and all(isinstance(d, str) for d in s))
+                for s in value):  # a spec: a mesh dim, UNSHARDED, or a tuple of mesh dims sharding one axis
             stored = Layout(value, self.mesh) if self.mesh is not None else list(value)
         else:
             raise TypeError(f"LayoutMap values must be a spmd.Layout or a list of sharding specs, got "
@@ -201,6 +209,15 @@ def distribute_module(module: nn.Module, mesh: Mesh, layout_map=None,
     stay plain tensors on the mesh's device, since 0-d tensors mix freely with DTensors. A tensor shared by
     several submodules (tied weights) stays shared: one DVariable under all its names.
 
+    The forward of `module` and of each of its submodules then runs under `spmd.implicit_replication()` (their
+    `forward` becomes an instance attribute wrapping the class's): a plain tensor the forward makes (positions
+    from `arange`, a causal mask, an empty cache) holds a global value, and meeting DTensors it is taken as
+    replicated. The plain tensor arguments (of rank > 0) of the outermost call, the one made from outside any
+    distributed forward, raise `MixedTensorError`: data comes onto the mesh by the user's choice of layout
+    (`copy_to_mesh`, `Strategy.distribute_batch`); plain tensors passed between submodules are inside and work.
+    Traced by `spmd.function`, the scope holds as in eager and the arguments are not checked (the function's own
+    plain arguments are broadcast).
+
     Parameters and buffers on a real device are copied onto the mesh (each device keeps its shard). Those on the
     `meta` device (a model built under `with torch.device("meta"):`) are materialised shard by shard: each
     device allocates only its shard (`spmd.empty`), then
@@ -221,6 +238,7 @@ def distribute_module(module: nn.Module, mesh: Mesh, layout_map=None,
       ValueError (`LayoutError`): a mapped layout whose rank differs from the tensor's (naming it, its shape and
         the layout), a tied tensor mapped to two layouts, a meta parameter nothing initialises.
       ValueError (`IndivisibleError`): a sharded axis that does not divide by its number of shards.
+      TypeError (`MixedTensorError`, when the module is called): a plain tensor argument of the outermost call.
 
     Nothing is modified when a layout is invalid: every layout is checked before the first tensor moves.
     """
@@ -265,6 +283,7 @@ def distribute_module(module: nn.Module, mesh: Mesh, layout_map=None,
             else:
                 value = copy_to_mesh(tensor.detach(), layout)
             _set(places, value, "buffer")
+    _forwards_on_mesh(module)
 
     if not fresh:
         return module
@@ -275,6 +294,67 @@ def distribute_module(module: nn.Module, mesh: Mesh, layout_map=None,
         else:
             _reset(module, fresh)
     return module
+
+
+class _MeshForward:
+    """The forward of a distributed module: the class's (or an earlier instance-level) forward, run under
+    implicit replication, after checking the arguments of a call made from outside any distributed forward.
+
+    An object rather than a closure: `copy.deepcopy(module)` copies it bound to the copy."""
+
+    __slots__ = ("module", "inner")
+
+    def __init__(self, module: nn.Module, inner: Callable | None):
+        self.module, self.inner = module, inner
+
+    @property
+    def __wrapped__(self) -> Callable:  # `inspect.signature(module.forward)` is the module's own (HF reads it)
+        return self.inner if self.inner is not None else types.MethodType(type(self.module).forward, self.module)
+
+    def __call__(self, *args, **kwargs):
+        if torch.compiler.is_compiling():
+            with implicit_replication():
+                return self._forward(args, kwargs)
+        if not replicates_plain():  # the outermost call
+            _check_arguments(self, args, kwargs)
+        with EAGER_IMPLICIT_REPLICATION:
+            return self._forward(args, kwargs)
+
+    def _forward(self, args, kwargs):
+        if self.inner is not None:
+            return self.inner(*args, **kwargs)
+        return type(self.module).forward(self.module, *args, **kwargs)  # (Dynamo cannot trace MethodType)
+
+
+def _forwards_on_mesh(module: nn.Module) -> None:
+    for sub in module.modules():
+        if type(sub).forward is nn.Module.forward:  # containers (ModuleList, ModuleDict) have no forward
+            continue
+        inner = sub.__dict__.get("forward")
+        if not isinstance(inner, _MeshForward):
+            sub.forward = _MeshForward(sub, inner)
+
+
+def _check_arguments(forward: _MeshForward, args, kwargs) -> None:
+    if not any(_is_plain(t) for t in pytree.tree_leaves((args, kwargs))):
+        return
+    module = forward.module
+    try:
+        bound = inspect.signature(forward).bind_partial(*args, **kwargs).arguments
+    except (TypeError, ValueError):  # no signature, or arguments it does not take: name them by position
+        bound = {f"argument {i}": a for i, a in enumerate(args)} | kwargs
+    for name, value in bound.items():
+        for path, leaf in pytree.tree_leaves_with_path(value):
+            if _is_plain(leaf):
+                raise MixedTensorError(
+                    f"{type(module).__name__}.forward got a plain torch.Tensor of shape {list(leaf.shape)} as "
+                    f"`{name}{pytree.keystr(path)}`; the inputs of a distributed module are DTensors: copy it onto "
+                    "the mesh with the layout it should have (spmd.copy_to_mesh(tensor, layout), "
+                    "Strategy.distribute_batch). Plain tensors the forward makes itself are taken as replicated")
+
+
+def _is_plain(t) -> bool:
+    return isinstance(t, torch.Tensor) and not isinstance(t, DTensor) and t.dim() > 0
 
 
 def _owner_chain(module: nn.Module, name: str) -> list[nn.Module]:

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import contextlib
 
+import torch
+import torch.fx.traceback as fx_traceback
+
 from spmd.creation import FactoryMode, get_default_mesh
 from spmd.engine import dispatch
 from spmd.errors import LayoutError
@@ -59,9 +62,34 @@ def implicit_replication():
     ...     one_hot = torch.nn.functional.one_hot(labels, 3)
     >>> fetch_layout(one_hot).sharding_specs, to_global(one_hot).sum(0).tolist()
     (['x', 'unsharded'], [1, 1, 2])
+
+    Inside `spmd.function` (or `torch.compile`) the scope covers the ops traced inside the block.
     """
-    dispatch.IMPLICIT_REPLICATION[0] += 1
-    try:
+    if torch.compiler.is_compiling():  # Dynamo would apply the counter's updates only after the traced ops
+        with fx_traceback.annotate({dispatch.TRACED_SCOPE: True}):
+            yield
+        return
+    with EAGER_IMPLICIT_REPLICATION:
         yield
-    finally:
+
+
+class _EagerImplicitReplication:
+    """`implicit_replication()` outside a trace, without a generator's cost (a distributed module's every call)."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        dispatch.IMPLICIT_REPLICATION[0] += 1
+
+    def __exit__(self, *exc) -> bool:
         dispatch.IMPLICIT_REPLICATION[0] -= 1
+        return False
+
+
+EAGER_IMPLICIT_REPLICATION = _EagerImplicitReplication()
+
+
+def replicates_plain() -> bool:
+    """Whether a plain tensor meeting DTensors is taken as replicated here (inside `implicit_replication`, the
+    forward of a distributed module, or a derivative formula)."""
+    return dispatch._replicates_plain()

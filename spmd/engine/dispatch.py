@@ -14,13 +14,14 @@ import sys
 import warnings
 
 import torch
+import torch.fx.traceback as fx_traceback
 import torch.utils._pytree as pytree
 from torch.utils._mode_utils import no_dispatch
 
 from spmd import dtensor, explain
 from spmd.collectives import Kind, backend_for
 from spmd.dtensor import DTensor
-from spmd.engine import foreach, planner, registry
+from spmd.engine import foreach, multi_axis, planner, registry
 from spmd.engine import rules  # noqa: F401  (registers every rule)
 from spmd.engine.decision import Decision, OpCall, TensorSpec, unsupported
 from spmd.engine.rules.common import generic_kernel, replace_tensors
@@ -169,12 +170,18 @@ def _miss(key, func, args, kwargs, tensors) -> _Plan:
 
 # >0 inside `spmd.implicit_replication()`: plain tensors mixed with DTensors are taken as replicated
 IMPLICIT_REPLICATION = [0]
+# the same scope inside a trace, as an `fx.traceback.annotate` key: Dynamo defers the counter's updates (Python
+# side effects) past the ops it traces, but runs the annotation eagerly and AOTAutograd replays it per node
+TRACED_SCOPE = "spmd_implicit_replication"
 
 
 def _replicates_plain() -> bool:
     # also while autograd's engine runs a derivative formula that made a plain tensor (prod's, copysign's): torch
     # made it, not the user, and it holds a global value
-    return IMPLICIT_REPLICATION[0] > 0 or torch._C._current_graph_task_id() != -1
+    if IMPLICIT_REPLICATION[0] > 0 or torch._C._current_graph_task_id() != -1:
+        return True
+    custom = fx_traceback.current_meta.get("custom")  # (a module global that torch rebinds: read it here)
+    return bool(custom) and custom.get(TRACED_SCOPE, False)
 
 
 def _writes_plain(func, args) -> bool:
@@ -312,19 +319,23 @@ def _make_plan(func, args, kwargs, tensors) -> _Plan:
                 f"{func} got DTensors on different meshes: {mesh!r} and {t._layout.mesh!r}. Move one with "
                 "spmd.relayout_like / spmd.copy_to_mesh first.")
     it = iter(tensors)
+    entry = registry.lookup(func)
+    native = entry is not None and entry.multi_axis  # else rules see a multi-axis input's outer dims only
 
     def spec(a):
         if isinstance(a, DTensor):
             next(it)
-            return TensorSpec(a._layout.axes, tuple(a.shape), a.dtype, a._pending if a._pending_op == "sum" else ())
+            return TensorSpec(a._layout.axes if native else a._layout.outer_axes, tuple(a.shape), a.dtype,
+                              a._pending if a._pending_op == "sum" else ())
         if isinstance(a, (list, tuple)) and any(isinstance(x, DTensor) for x in a):
             return type(a)(spec(x) for x in a)
         return a
 
     call = OpCall(func, tuple(spec(a) for a in args), {k: spec(v) for k, v in kwargs.items()}, mesh,
                   mesh.num_local_devices())
-    entry = registry.lookup(func)
     decision = _fallback_decision(call) if entry is None else entry.rule(call)
+    if any(t._layout.multi_axis for t in tensors):  # rules saw each multi-axis input sharded over its outer dim
+        decision = multi_axis.adapt(decision, entry, tensors)
     return _plan_from_decision(decision, call, tensors, args, kwargs)
 
 
@@ -333,7 +344,7 @@ def _plan_from_decision(decision: Decision, call: OpCall, tensors, args, kwargs)
     settle, in_steps = [], []
     for i, (t, want) in enumerate(zip(tensors, decision.inputs)):
         have = t._layout.axes
-        want = have if want is None else tuple(want)
+        want = t._layout.outer_axes if want is None else tuple(want)
         if decision.inplace and i == 0 and want != have:
             raise UnsupportedOpError(f"{call.describe()}: in-place op would change the layout of its target")
         pending = () if i in decision.keeps else t._pending  # a kept sum is relayouted unreduced: still a sum
@@ -402,10 +413,11 @@ def _fallback_decision(call: OpCall) -> Decision:
     def kernel(locals_, args, kwargs):  # run on component 0 and broadcast: the components are identical
         res = local([x[0] for x in locals_], args, kwargs)
         res = (res,) if single else tuple(res)
-        res = tuple(r.unsqueeze(0).expand((n,) + tuple(r.shape)).contiguous() for r in res)
+        res = tuple(None if r is None else r.unsqueeze(0).expand((n,) + tuple(r.shape)).contiguous() for r in res)
         return res[0] if single else res
 
     # a view op computed this way returns a copy: an in-place op on it must be refused, not lost
     is_view = any(r.alias_info is not None for r in schema.returns)
     return Decision(tuple(tuple([None] * len(s.shape)) for s in call.specs),
-                    tuple(tuple([None] * o.dim()) for o in outs), kernel, single=single, copies=is_view)
+                    tuple(None if o is None else (None,) * o.dim() for o in outs), kernel, single=single,
+                    copies=is_view)  # a backward op's unneeded gradients are None

@@ -168,12 +168,16 @@ def _merged(specs, skip: int | None = None) -> tuple:
 
 @register(aten.cat.default)
 def cat_rule(call: OpCall) -> Decision:
+    """torch skips legacy empty operands (shape [0], e.g. an empty KV cache), whatever the others' rank: so does
+    the kernel (their stacked components are 2-D), and they keep their layout."""
     specs = call.specs
-    if any(s.shape == (0,) and s.rank != specs[0].rank for s in specs):
-        raise unsupported(call, "legacy empty tensors in cat")
-    dim = norm_dim(arg(call, "dim", 0), specs[0].rank)
-    out = _merged(specs, skip=dim)
-    return Decision((out,) * len(specs), (out,), lambda l, a, k: torch.cat(l, dim + 1))
+    kept = [i for i, s in enumerate(specs) if s.shape != (0,)] or list(range(len(specs)))
+    dim = norm_dim(arg(call, "dim", 0), specs[kept[0]].rank)
+    out = _merged([specs[i] for i in kept], skip=dim)
+    if len(kept) == len(specs):
+        return Decision((out,) * len(specs), (out,), lambda l, a, k: torch.cat(l, dim + 1))
+    inputs = tuple(out if i in kept else None for i in range(len(specs)))
+    return Decision(inputs, (out,), lambda l, a, k: torch.cat([l[i] for i in kept], dim + 1))
 
 
 @register(aten.stack.default)

@@ -1,0 +1,105 @@
+"""HuggingFace GPT-2 and Llama, unchanged, trained on a batch x model mesh with Megatron layouts: their forwards
+make plain tensors (position ids, causal masks, an empty KV cache) that are taken as replicated."""
+
+import copy
+
+import pytest
+import torch
+
+import spmd
+from spmd import UNSHARDED as U, Layout, LayoutMap
+
+transformers = pytest.importorskip("transformers")
+
+# GPT-2's Conv1D weights are [in, out]: column-parallel shards axis 1, row-parallel axis 0 (Linear's transposed)
+GPT2_LAYOUTS = {r"attn\.c_attn\.weight": [U, "model"], r"attn\.c_attn\.bias": ["model"],
+                r"mlp\.c_fc\.weight": [U, "model"], r"mlp\.c_fc\.bias": ["model"],
+                r"c_proj\.weight": ["model", U], r"wte\.weight": ["model", U]}  # lm_head is tied to wte
+LLAMA_LAYOUTS = {r"(q|k|v|gate|up)_proj\.weight": ["model", U], r"(o|down)_proj\.weight": [U, "model"],
+                 r"embed_tokens\.weight": ["model", U], r"lm_head\.weight": ["model", U]}
+
+
+def _gpt2(attn):
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=32,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation=attn)
+    return transformers.GPT2LMHeadModel(config), GPT2_LAYOUTS
+
+
+def _llama(attn):
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
+                                      max_position_embeddings=32, attn_implementation=attn)
+    return transformers.LlamaForCausalLM(config), LLAMA_LAYOUTS
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return spmd.create_mesh([("batch", 2), ("model", 2)])
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()  # GPT-2's default eos id lies outside the tiny vocabulary
+    yield
+    transformers.logging.set_verbosity(verbosity)
+
+
+def _close(got, want, what):
+    """Relative 1e-5 of the tensor's largest magnitude (float32 sums in another order differ in the last bits)."""
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()), msg=what)
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("build", [_gpt2, _llama], ids=["gpt2", "llama"])
+def test_trains_unchanged_like_plain_torch(mesh, build, attn):
+    """`model(input_ids=, labels=)` with the model's own position ids, masks and cache (`use_cache` as the config
+    has it): the losses of AdamW training equal plain torch's, and at every step the gradients equal those plain
+    torch computes from the same parameters (independent runs drift apart through AdamW's rounding noise, as
+    two plain runs summing in different orders do)."""
+    torch.manual_seed(0)
+    ref, layouts = build(attn)
+    assert ref.config.use_cache and ref.training
+    layout_map = LayoutMap(layouts)
+    model = spmd.distribute_module(copy.deepcopy(ref), mesh, layout_map)
+    same_params = copy.deepcopy(ref)
+    opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    data = torch.randint(0, 64, (3, 4, 8), generator=torch.Generator().manual_seed(1))
+    for ids in data:
+        with torch.no_grad():
+            for p, q in zip(model.parameters(), same_params.parameters()):
+                q.copy_(spmd.to_global(p))
+        dist_ids = spmd.copy_to_mesh(ids, Layout(["batch", U], mesh))
+        loss = model(input_ids=dist_ids, labels=dist_ids).loss
+        loss.backward()
+        same_params(input_ids=ids, labels=ids).loss.backward()
+        for (name, p), q in zip(model.named_parameters(), same_params.parameters()):
+            _close(spmd.to_global(p.grad), q.grad, name)
+        ref_loss = ref(input_ids=ids, labels=ids).loss
+        ref_loss.backward()
+        torch.testing.assert_close(loss.item(), ref_loss.item(), rtol=1e-5, atol=0)
+        opt.step()
+        ref_opt.step()
+        for m in (model, ref, same_params):
+            m.zero_grad()
+    for name, p in model.named_parameters():
+        assert isinstance(p, spmd.DVariable), name
+        assert spmd.fetch_layout(p).sharding_specs == (layout_map[name] or [U] * p.dim()), name
+
+
+def test_a_plain_batch_names_the_argument(mesh):
+    model = spmd.distribute_module(_llama("sdpa")[0], mesh, LayoutMap(LLAMA_LAYOUTS))
+    with pytest.raises(spmd.MixedTensorError, match=r"LlamaForCausalLM\.forward .* shape \[4, 8\] as `labels`"):
+        model(input_ids=spmd.copy_to_mesh(torch.zeros(4, 8, dtype=torch.long), Layout(["batch", U], mesh)),
+              labels=torch.zeros(4, 8, dtype=torch.long))
+
+
+def test_function_traces_llama_in_one_graph(mesh):
+    """The forwards' scope holds in a trace: the loss of `spmd.function` (fullgraph) equals plain torch's."""
+    torch.manual_seed(0)
+    ref, layouts = _llama("sdpa")
+    model = spmd.distribute_module(copy.deepcopy(ref), mesh, LayoutMap(layouts))
+    ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(1))
+    loss = spmd.function(lambda x: model(input_ids=x, labels=x).loss, backend="aot_eager", fullgraph=True)
+    got = loss(spmd.copy_to_mesh(ids, Layout(["batch", U], mesh)))
+    torch.testing.assert_close(got.item(), ref(input_ids=ids, labels=ids).loss.item(), rtol=1e-5, atol=0)
