@@ -252,14 +252,22 @@ def _optional_specs(call: OpCall, names) -> dict:
     return {n: arg(call, n) for n in names if isinstance(arg(call, n), TensorSpec)}
 
 
-@register(aten.native_batch_norm.default)
+# the batch norms whose mode is in their name rather than a `training` argument; `_batch_norm_with_update` returns
+# a fourth, empty tensor (a cuDNN workspace elsewhere)
+_TRAINING = {aten._batch_norm_with_update.default: True, aten._native_batch_norm_legit_no_training.default: False}
+
+
+@register(aten.native_batch_norm.default, aten._native_batch_norm_legit.default,
+          aten._native_batch_norm_legit.no_stats, *_TRAINING)
 def batch_norm_rule(call: OpCall) -> Decision:
     """Training: the batch's statistics (two all-reduces over the batch's mesh dims: mean, then the centred
     squares), running statistics updated in place; evaluation: the running statistics, no collective."""
     specs = _optional_specs(call, ("input", "weight", "bias", "running_mean", "running_var"))
     x = specs["input"]
     bn = _BatchNorm(call, x, specs.get("running_mean"))
-    training, momentum, eps = arg(call, "training"), arg(call, "momentum"), arg(call, "eps")
+    training = _TRAINING.get(call.func, arg(call, "training"))
+    momentum, eps = arg(call, "momentum"), arg(call, "eps")
+    reserve = call.func is aten._batch_norm_with_update.default
     names = [n for n in ("input", "weight", "bias", "running_mean", "running_var") if n in specs]
     inputs = tuple(bn.x_axes if n == "input" else (bn.c,) for n in names)
     slot = {n: i for i, n in enumerate(names)}
@@ -270,6 +278,10 @@ def batch_norm_rule(call: OpCall) -> Decision:
         return y + bn.per_channel(l[slot["bias"]]) if "bias" in slot else y
 
     def kernel(l, a, k, run=None):
+        outs = normalise(l, run)
+        return outs + (l[0].new_empty(l[0].shape[0], 0, dtype=torch.uint8),) if reserve else outs
+
+    def normalise(l, run):
         xl = l[0]
         if not training:
             mean, var = l[slot["running_mean"]], l[slot["running_var"]]
@@ -288,10 +300,11 @@ def batch_norm_rule(call: OpCall) -> Decision:
         return affine(l, centred * bn.per_channel(invstd)), mean, invstd
 
     stats = (bn.c,) if training else (None,)
+    outputs = (bn.x_axes, stats, stats) + (((None,),) if reserve else ())
     collectives = bn.collectives() if training else ()
     if collectives:
-        return Decision(inputs, (bn.x_axes, stats, stats), kernel, collectives=collectives, single=False)
-    return Decision(inputs, (bn.x_axes, stats, stats), lambda l, a, k: kernel(l, a, k), single=False)
+        return Decision(inputs, outputs, kernel, collectives=collectives, single=False)
+    return Decision(inputs, outputs, lambda l, a, k: kernel(l, a, k), single=False)
 
 
 @register(aten.native_batch_norm_backward.default)
