@@ -19,6 +19,7 @@ from spmd import runtime
 from spmd.runtime import (barrier, client_id, create_distributed_mesh, initialize_accelerator_system, job_name,
                           local_devices, num_clients, num_global_devices, num_local_devices,
                           shutdown_accelerator_system)
+from spmd.controller import Controller
 from spmd.function_mode import Function, function
 from spmd.interop import from_jax_array, from_torch_dtensor, to_jax_array, to_torch_dtensor
 from spmd.nn import LayoutMap, Strategy, distribute_module
@@ -38,5 +39,5 @@ __all__ = [
     "runtime", "initialize_accelerator_system", "shutdown_accelerator_system", "client_id", "num_clients",
     "job_name", "local_devices", "num_local_devices", "num_global_devices", "create_distributed_mesh", "barrier",
     "CollectiveError", "function", "Function", "Explanation", "CollectiveRecord", "TraceError",
-    "interop", "to_torch_dtensor", "from_torch_dtensor", "to_jax_array", "from_jax_array",
+    "Controller", "interop", "to_torch_dtensor", "from_torch_dtensor", "to_jax_array", "from_jax_array",
 ]

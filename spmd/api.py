@@ -54,7 +54,7 @@ class Unpack(torch.autograd.Function):
         ref = next(g for g in grads if g is not None)
         local = torch.stack([torch.zeros_like(ref) if g is None else g for g in grads])
         layout = ctx.layout
-        replicas = tuple(d for d in layout.mesh.dim_names if d not in layout.axes)
+        replicas = tuple(d for d in layout.mesh.dim_names if d not in layout.sharded_mesh_dims)
         steps = planner.plan_on(layout.mesh, layout.axes, layout.axes, replicas)
         return make(planner.run(local, layout.mesh, steps), layout)
 
@@ -228,7 +228,8 @@ def relayout(tensor: DTensor, layout: Layout, name: str | None = None) -> DTenso
         return _CrossMesh.apply(tensor, layout)
     if layout == tensor._layout:
         return tensor
-    if torch.compiler.is_compiling():  # recorded in the traced graph as an op (spmd.ops)
+    # recorded in the traced graph as an op (spmd.ops); on a single-controller mesh, sent to the workers as one
+    if torch.compiler.is_compiling() or layout.mesh.remote is not None:
         return relayout_op(tensor, layout.to_string())
     return _Relayout.apply(tensor, layout)
 

@@ -275,12 +275,13 @@ class DTensorDataset:
             ranges, devices = [], []
             for loc in locations:
                 slices = []
-                for axis, dim in enumerate(layout.axes):
+                index = layout.shard_index([loc[name] for name in mesh.dim_names])
+                for axis, (dim, i) in enumerate(zip(layout.axes, index)):
                     if dim is None:
                         slices.append(slice(None))
                     else:
-                        size = shape[axis] // mesh.dim_size(dim)
-                        slices.append(slice(loc[dim] * size, (loc[dim] + 1) * size))
+                        size = shape[axis] // layout.num_shards(axis)
+                        slices.append(slice(i * size, (i + 1) * size))
                 rows = (slices[0].start or 0, G if slices[0].stop is None else slices[0].stop)
                 if rows not in ranges:
                     ranges.append(rows)

@@ -72,6 +72,9 @@ class DTensor(torch.Tensor):
             out._key = (layout, tuple(shape), local.dtype, pending, pending_op)
         else:
             out._key = (layout, tuple(shape), local.dtype)  # the dispatcher's cache-key part for this tensor
+        remote = layout.mesh.remote
+        if remote is not None:  # a single-controller mesh (spmd.controller): its workers take the components
+            return remote.adopt(out)
         return out
 
     @classmethod

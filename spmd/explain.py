@@ -63,7 +63,8 @@ class Explanation:
 
 
 def _specs(layouts) -> str:
-    return " ".join("[" + ",".join(a or "-" for a in axes) + "]" for axes in layouts)
+    return " ".join("[" + ",".join("+".join(a) if type(a) is tuple else a or "-" for a in axes) + "]"
+                    for axes in layouts)
 
 
 class Recorder:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import itertools
 import math
 import re
 from typing import Any, Sequence
@@ -30,7 +31,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from spmd.errors import LayoutError
-from spmd.mesh import Mesh
+from spmd.mesh import Mesh, axis_dims
 
 
 class OpShardingType(enum.IntEnum):
@@ -213,8 +214,9 @@ def as_hlo_sharding(sharding: Any) -> HloSharding:
 
 
 # -- layouts <-> shardings --------------------------------------------------------------------------------------
-def from_mesh_axes(mesh: Mesh, axes: Sequence[str | None], device_ids=None) -> HloSharding:
-    """The sharding of a tensor whose axis `i` is split over mesh dim `axes[i]` (None: not split).
+def from_mesh_axes(mesh: Mesh, axes: Sequence, device_ids=None) -> HloSharding:
+    """The sharding of a tensor whose axis `i` is split over mesh dim `axes[i]` (None: not split; a tuple: split
+    over those mesh dims, row-major with the first major, as XLA tiles an axis over merged mesh axes).
 
     Device ids are the mesh's global ids, or `device_ids` (one per mesh position, in row-major mesh order; JAX
     numbers a mesh's devices by position, `range(mesh.size)`). The mesh dims no axis names become the replicated
@@ -225,10 +227,11 @@ def from_mesh_axes(mesh: Mesh, axes: Sequence[str | None], device_ids=None) -> H
     '{devices=[1,2,4]<=[8] last_tile_dim_replicate}'
     """
     ids = _device_ids(_checked_mesh(mesh), device_ids)
-    tiles = tuple(1 if a is None else mesh.dim_size(a) for a in _checked_axes(mesh, axes))
+    axes = _checked_axes(mesh, axes)
+    tiles = tuple(math.prod(mesh.dim_size(d) for d in axis_dims(a)) for a in axes)
     if math.prod(tiles) == 1:
         return HloSharding(OpShardingType.REPLICATED)
-    sharded = [mesh.axis_index(a) for a in axes if a is not None]
+    sharded = [mesh.axis_index(d) for a in axes for d in axis_dims(a)]  # tile order: row-major over these
     rest = [k for k in range(ids.ndim) if k not in sharded]
     copies = math.prod(ids.shape[k] for k in rest)
     groups = np.sort(ids.transpose(sharded + rest).reshape(-1, copies), axis=1)
@@ -237,14 +240,16 @@ def from_mesh_axes(mesh: Mesh, axes: Sequence[str | None], device_ids=None) -> H
     return HloSharding(OpShardingType.OTHER, tiles + (copies,), groups.ravel(), replicate_on_last_tile_dim=True)
 
 
-def to_mesh_axes(sharding: Any, mesh: Mesh, rank: int | None = None, device_ids=None) -> tuple[str | None, ...]:
-    """Per tensor axis, the mesh dim `sharding` splits it over (None: not split); the inverse of
-    `from_mesh_axes`. `rank` is the tensor's rank: needed for `{replicated}`, checked otherwise. An axis split
-    into one tile reads as None (a mesh dim of size 1 leaves no trace in XLA's sharding).
+def to_mesh_axes(sharding: Any, mesh: Mesh, rank: int | None = None, device_ids=None) -> tuple:
+    """Per tensor axis, the mesh dim `sharding` splits it over (None: not split; a tuple of mesh dims where the
+    tiles run row-major over several, the first major); the inverse of `from_mesh_axes`. `rank` is the tensor's
+    rank: needed for `{replicated}`, checked otherwise. An axis split into one tile reads as None (a mesh dim of
+    size 1 leaves no trace in XLA's sharding).
 
     Raises:
       LayoutError: for what a Layout cannot express (maximal on more than one device, manual, an axis split over
-        several mesh dims or part of one, devices not of the mesh, a rank that differs), naming the part.
+        part of a mesh dim or over several in no row-major order, devices not of the mesh, a rank that differs),
+        naming the part.
 
     >>> to_mesh_axes("{devices=[4,2,1]<=[2,4]T(1,0)}", create_mesh([("x", 2), ("y", 4)]))
     ('y', 'x', None)
@@ -280,26 +285,34 @@ def _maximal_axes(s: HloSharding, mesh: Mesh, rank, device_ids, where: str) -> t
 
 
 def _mesh_dim_of(axis: int, count: int, tile_index: np.ndarray, positions: np.ndarray, mesh: Mesh,
-                 where: str) -> str | None:
-    """The mesh dim whose coordinate is the tile index along tensor axis `axis` for every device."""
+                 where: str) -> str | tuple[str, ...] | None:
+    """The mesh dim(s) whose coordinates, row-major, are the tile index along tensor axis `axis` for every
+    device."""
     if count == 1:
         return None
     grid = np.empty(mesh.size, dtype=np.int64)
     grid[positions] = tile_index
     grid = grid.reshape(mesh.shape())
     varying = [k for k in range(grid.ndim) if np.any(np.diff(grid, axis=k))]
-    if len(varying) == 1 and np.array_equal(grid, np.indices(grid.shape)[varying[0]]):
-        return mesh.dim_names[varying[0]]
+    coords = np.indices(grid.shape)
+    for order in itertools.permutations(varying):
+        index = np.zeros_like(grid)
+        for k in order:
+            index = index * grid.shape[k] + coords[k]
+        if np.array_equal(grid, index):
+            names = tuple(mesh.dim_names[k] for k in order)
+            return names if len(names) > 1 else names[0]
     raise LayoutError(f"{where}: {_why_not(axis, count, grid, varying, mesh)}")
 
 
 def _why_not(axis: int, count: int, grid: np.ndarray, varying: list[int], mesh: Mesh) -> str:
-    limit = "a Layout splits a tensor axis over one whole mesh dim (spmd has one mesh dim per tensor axis)"
+    limit = ("a Layout splits a tensor axis over whole mesh dims, its tiles row-major over them in some order of "
+             "the mesh dims")
     names = [mesh.dim_names[k] for k in varying]
     if len(varying) > 1:
         sizes = ", ".join(f"{n}={s}" for n, s in zip(mesh.dim_names, mesh.shape()))
-        matches = "" if count in mesh.shape() else f"; {count} tiles match no mesh dim ({sizes})"
-        return f"tensor axis {axis} is split {count} ways over several mesh dims {names} together{matches}: {limit}"
+        return (f"tensor axis {axis} is split {count} ways over mesh dims {names} ({sizes}) but its tiles do not "
+                f"run row-major over them in any order: {limit}")
     name, size = names[0], grid.shape[varying[0]]
     if count != size:
         return (f"tensor axis {axis} is split {count} ways over a subset of mesh dim {name!r} (size {size}): "
@@ -340,12 +353,13 @@ def _checked_mesh(mesh: Mesh) -> Mesh:
     return mesh
 
 
-def _checked_axes(mesh: Mesh, axes: Sequence[str | None]) -> tuple[str | None, ...]:
+def _checked_axes(mesh: Mesh, axes: Sequence) -> tuple:
     axes = tuple(axes)
-    for a in axes:
-        if a is not None and a not in mesh:
-            raise LayoutError(f"{a!r} is not a dim of {_describe(mesh)}: an axis names a mesh dim or is None")
-    used = [a for a in axes if a is not None]
+    used = [d for a in axes for d in axis_dims(a)]
+    for a in used:
+        if a not in mesh:
+            raise LayoutError(f"{a!r} is not a dim of {_describe(mesh)}: an axis names a mesh dim (or a tuple of "
+                              "them) or is None")
     if len(set(used)) != len(used):
         raise LayoutError(f"axes {list(axes)} name a mesh dim twice; each mesh dim splits at most one tensor axis")
     return axes

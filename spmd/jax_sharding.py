@@ -102,8 +102,14 @@ def split_sharding(sharding) -> tuple[Any, Any]:
                     "spmd layouts correspond to named shardings (a mesh and a PartitionSpec)")
 
 
-def axes_from_spec(spec, dim_names: Sequence[str], rank: int | None) -> list[str | None]:
-    """Per tensor axis the mesh dim of a `PartitionSpec` (`None`: unsharded), padded with `None` to `rank`."""
+def _none_in(entry, i: int, spec):
+    raise LayoutError(f"entry {i} of {spec} is {tuple(entry)}: a tuple lists the mesh axes sharding one tensor "
+                      "axis, None is not one")
+
+
+def axes_from_spec(spec, dim_names: Sequence[str], rank: int | None) -> list:
+    """Per tensor axis the mesh dim of a `PartitionSpec` (`None`: unsharded; a tuple of names for an axis split
+    over several, the first major), padded with `None` to `rank`."""
     jax = import_jax()
     entries = list(spec)
     rank = len(entries) if rank is None else rank
@@ -113,16 +119,14 @@ def axes_from_spec(spec, dim_names: Sequence[str], rank: int | None) -> list[str
     return axes + [None] * (rank - len(axes))
 
 
-def _axis(entry, i: int, spec, dim_names: Sequence[str], jax) -> str | None:
+def _axis(entry, i: int, spec, dim_names: Sequence[str], jax) -> str | tuple[str, ...] | None:
     if entry is jax.sharding.PartitionSpec.UNCONSTRAINED:
         raise LayoutError(f"entry {i} of {spec} is UNCONSTRAINED (the compiler's choice): a layout says how each "
                           "axis is sharded; use None for unsharded or a mesh axis name")
     if isinstance(entry, (tuple, list)):
-        if len(entry) > 1:
-            raise LayoutError(
-                f"entry {i} of {spec} shards one tensor axis over several mesh axes {tuple(entry)}; an spmd layout "
-                "shards a tensor axis over at most one mesh dim: merge those mesh axes into one, or shard the "
-                "tensor axis over one of them")
+        if len(entry) > 1:  # the axis is split over all of them, the first major: the same in a Layout
+            return tuple(_axis(e, i, spec, dim_names, jax) if e is not None else _none_in(entry, i, spec)
+                         for e in entry)
         entry = entry[0] if entry else None
     if entry is None:
         return None

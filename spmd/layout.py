@@ -1,27 +1,33 @@
 """`Layout`: how each axis of a tensor is sharded over a `Mesh` (the seeds' `dtensor.Layout`).
 
-One sharding spec per tensor axis: the name of a mesh dimension (the axis is split evenly over it) or
-`UNSHARDED`. The tensor is replicated over every mesh dimension its layout does not name.
+One sharding spec per tensor axis: the name of a mesh dimension (the axis is split evenly over it), several
+mesh dimensions (the axis is split over their product, block index row-major over them in the order given, as
+JAX's `P(("x", "y"))`: spec `"x+y"`, or a tuple), or `UNSHARDED`. The tensor is replicated over every mesh
+dimension its layout does not name.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 from spmd import jax_sharding, torch_placements
 from spmd.errors import IndivisibleError, LayoutError
 from spmd.hlo_sharding import OpSharding, from_mesh_axes, to_mesh_axes
-from spmd.mesh import Mesh
+from spmd.mesh import Mesh, axis_dims
 
 UNSHARDED = "unsharded"
 MATCH = "match"  # only meaningful in `relayout`: keep the axis as it is
+MULTI = "+"  # joins the mesh dims of one spec: "x+y" shards an axis over x (major) and y
 
 
 class Layout:
     """The sharding of a tensor of rank `len(sharding_specs)` on `mesh`.
 
     Args:
-      sharding_specs: per tensor axis, a mesh dimension name, `UNSHARDED`, or (for `relayout`) `MATCH`.
+      sharding_specs: per tensor axis, a mesh dimension name, several (a tuple, or their names joined by `+`:
+        the axis is split over their product, row-major in the order given), `UNSHARDED`, or (for `relayout`)
+        `MATCH`.
       mesh: the `Mesh`.
 
     Raises:
@@ -33,29 +39,35 @@ class Layout:
     (4, (2, 6))
     >>> layout.to_string()[:33]
     'sharding_specs:y,unsharded, mesh:'
+    >>> both = Layout([("x", "y"), UNSHARDED], mesh)
+    >>> both.sharding_specs, both.axes, both.num_shards(0)
+    (['x+y', 'unsharded'], (('x', 'y'), None), 8)
     """
 
-    __slots__ = ("_specs", "_mesh", "axes", "_hash", "_string")
+    __slots__ = ("_specs", "_mesh", "axes", "outer_axes", "multi_axis", "_dims", "_shards", "_hash", "_string")
 
-    def __init__(self, sharding_specs: Sequence[str], mesh: Mesh):
+    def __init__(self, sharding_specs: Sequence[str | Sequence[str]], mesh: Mesh):
         if not isinstance(mesh, Mesh):
             raise LayoutError(f"mesh is not a valid Mesh object: got {type(mesh).__name__} {mesh!r}.")
-        if isinstance(sharding_specs, str) or not all(isinstance(s, str) for s in sharding_specs):
-            raise LayoutError(f"sharding_specs must be a list of strings, got {sharding_specs!r}")
-        specs = tuple(sharding_specs)
-        for spec in specs:
-            if spec not in (UNSHARDED, MATCH) and spec not in mesh:
-                raise LayoutError(f"{spec}: A dimension sharding must either be a valid mesh dimension or "
-                                  f"UNSHARDED. Mesh dimensions: {mesh.dim_names}")
-        used = [s for s in specs if s not in (UNSHARDED, MATCH)]
-        for name in used:
-            if used.count(name) > 1:
+        if isinstance(sharding_specs, str) or not all(_is_spec(s) for s in sharding_specs):
+            raise LayoutError(f"sharding_specs must be a list of strings (or tuples of mesh dimension names for an "
+                              f"axis sharded over several), got {sharding_specs!r}")
+        # Per tensor axis: None, the mesh dimension it is sharded over, or a tuple of several (major first).
+        axes = tuple(_axis(s, mesh) for s in sharding_specs)
+        specs = tuple(s if isinstance(s, str) and MULTI not in s else _spec(a) for s, a in zip(sharding_specs, axes))
+        dims = tuple(d for a in axes for d in axis_dims(a) if d != MATCH)
+        for name in dims:
+            if dims.count(name) > 1:
                 raise LayoutError(f"Mesh dimension {name} was repeated in sharding specification {list(specs)}. "
                                   "Mesh dimensions must be unique in a layout.")
         self._specs = specs
         self._mesh = mesh
-        # Per tensor axis: the mesh dimension it is sharded over, or None. The executor reads only this.
-        self.axes = tuple(None if s == UNSHARDED else s for s in specs)
+        self.axes = axes
+        self.multi_axis = any(type(a) is tuple for a in axes)
+        # what a sharding rule sees of a multi-axis layout: each axis sharded over its major mesh dim only
+        self.outer_axes = tuple(a[0] if type(a) is tuple else a for a in axes) if self.multi_axis else axes
+        self._dims = dims  # the mesh dims sharding some axis
+        self._shards = tuple(_shards(a, mesh) for a in axes)
         self._string = "sharding_specs:" + "".join(s + "," for s in specs) + " mesh:" + mesh.to_string()
         self._hash = None  # hashed when first asked: Dynamo of torch 2.11 cannot trace `hash` (a Layout in a trace)
 
@@ -80,8 +92,8 @@ class Layout:
         return cls.batch_sharded(mesh, inner_dim, rank, axis=rank - 1)
 
     @classmethod
-    def from_axes(cls, axes: Sequence[str | None], mesh: Mesh) -> "Layout":
-        """Builds a layout from per-axis mesh dimension names, `None` meaning unsharded."""
+    def from_axes(cls, axes: Sequence[str | tuple[str, ...] | None], mesh: Mesh) -> "Layout":
+        """Builds a layout from per-axis mesh dimension names (a tuple for several), `None` meaning unsharded."""
         return cls([UNSHARDED if a is None else a for a in axes], mesh)
 
     # -- members -------------------------------------------------------------------------------------------------
@@ -106,13 +118,10 @@ class Layout:
         """How many pieces tensor axis `idx` is split into."""
         if not -self.rank <= idx < self.rank:
             raise LayoutError(f"axis {idx} is out of range for {self!r} of rank {self.rank}")
-        spec = self._specs[idx]
-        if spec == MATCH:
-            return 2 ** 64 - 1
-        return 1 if spec == UNSHARDED else self._mesh.dim_size(spec)
+        return self._shards[idx]
 
     def num_shards_per_axis(self) -> list[int]:
-        return [self.num_shards(i) for i in range(self.rank)]
+        return list(self._shards)
 
     def is_fully_replicated(self) -> bool:
         return all(s == UNSHARDED for s in self._specs)
@@ -146,26 +155,39 @@ class Layout:
             raise LayoutError(f"a tensor of shape {list(global_shape)} (rank {len(global_shape)}) cannot take "
                               f"layout {self.sharding_specs} of rank {self.rank}")
         for axis, (size, spec) in enumerate(zip(global_shape, self._specs)):
-            if spec not in (UNSHARDED, MATCH) and size % self._mesh.dim_size(spec):
+            n = self.num_shards(axis)
+            if size % n:
                 raise IndivisibleError(
                     f"axis {axis} of a tensor of shape {list(global_shape)} has size {size}, which does not divide "
-                    f"by the {self._mesh.dim_size(spec)} shards of mesh dimension {spec!r} (layout "
-                    f"{self.sharding_specs}); spmd shards evenly, so pick a size divisible by "
-                    f"{self._mesh.dim_size(spec)} or leave that axis UNSHARDED")
+                    f"by the {n} shards of mesh dimension{'s' * (MULTI in spec)} {spec!r} (layout "
+                    f"{self.sharding_specs}); spmd shards "
+                    f"evenly, so pick a size divisible by {n} or leave that axis UNSHARDED")
 
     def offset_to_shard(self) -> list[tuple[int, ...]]:
         """For each device of the mesh (row-major), the index of the shard it holds along each tensor axis."""
+        return [self.shard_index(self._mesh.device_location(device)) for device in range(self._mesh.size)]
+
+    def shard_index(self, location: Sequence[int]) -> tuple[int, ...]:
+        """The index of the block the device at mesh coordinates `location` holds, per tensor axis (row-major over
+        the mesh dims of an axis sharded over several)."""
         mesh = self._mesh
         out = []
-        for device in range(mesh.size):
-            loc = mesh.device_location(device)
-            out.append(tuple(0 if s == UNSHARDED else loc[mesh.axis_index(s)] for s in self._specs))
-        return out
+        for axis in self.axes:
+            index = 0
+            for d in axis_dims(axis):
+                index = index * mesh.dim_size(d) + location[mesh.axis_index(d)]
+            out.append(index)
+        return tuple(out)
 
     def is_first_replica(self, location) -> bool:
         """Whether the device at mesh coordinates `location` holds the first copy of its shard (coordinate 0 on
         every mesh dimension this layout does not shard): the copy that is read, written and checkpointed."""
-        return all(c == 0 for name, c in zip(self._mesh.dim_names, location) if name not in self.axes)
+        return all(c == 0 for name, c in zip(self._mesh.dim_names, location) if name not in self._dims)
+
+    @property
+    def sharded_mesh_dims(self) -> tuple[str, ...]:
+        """The mesh dims that shard some axis, in tensor-axis order (major first within an axis)."""
+        return self._dims
 
     def offset_tuple_to_global_index(self, offset_tuple: Sequence[int]) -> int:
         index = 0
@@ -185,7 +207,7 @@ class Layout:
     # -- JAX and torch.distributed.tensor ------------------------------------------------------------------------
     def to_jax(self, jax_mesh=None):
         """This layout as a `jax.sharding.NamedSharding`: its `PartitionSpec` has one entry per tensor axis (the
-        mesh dim or None). `jax_mesh` defaults to `self.mesh.to_jax()`; one given must have the mesh's axis
+        mesh dim, a tuple of several, or None). `jax_mesh` defaults to `self.mesh.to_jax()`; one given must have the mesh's axis
         names and sizes."""
         self.check_concrete()
         if jax_mesh is None:
@@ -201,8 +223,8 @@ class Layout:
         `Mesh.from_jax(sharding.mesh)`.
 
         Raises:
-          LayoutError: an entry shards one axis over several mesh axes, is UNCONSTRAINED, or names an axis the
-            mesh lacks; or `mesh` does not match the sharding's mesh.
+          LayoutError: an entry is UNCONSTRAINED or names an axis the mesh lacks; or `mesh` does not match the
+            sharding's mesh. (An entry of several mesh axes shards the axis over all of them, as in JAX.)
         """
         jax_mesh, spec = jax_sharding.split_sharding(sharding)
         if mesh is None:
@@ -231,7 +253,8 @@ class Layout:
 
         Raises:
           LayoutError: a `Partial` placement (a pending reduction: convert the tensor with
-            `spmd.interop.from_torch_dtensor`), a tensor axis sharded over two mesh dims, or a `_StridedShard`.
+            `spmd.interop.from_torch_dtensor`) or a `_StridedShard`. `Shard(i)` on several mesh dims splits axis
+            i over them in mesh order (the first major), as torch does.
 
         >>> from torch.distributed.tensor import Replicate, Shard
         >>> Layout.from_torch(create_mesh([("x", 2), ("y", 4)]), [Shard(1), Replicate()], rank=2).sharding_specs
@@ -269,8 +292,9 @@ class Layout:
         proto). `rank` is needed for `{replicated}` and checked otherwise; `device_ids` as in `to_hlo_sharding`.
 
         Raises:
-          LayoutError: the sharding is maximal (on more than one device) or manual, splits a tensor axis over
-            several mesh dims or a subset of one, uses devices not of the mesh, or tiles another rank.
+          LayoutError: the sharding is maximal (on more than one device) or manual, splits a tensor axis over a
+            subset of a mesh dim (or over several, not row-major in some order of them), uses devices not of the
+            mesh, or tiles another rank.
 
         >>> Layout.from_hlo_sharding("{devices=[1,2,4]<=[8] last_tile_dim_replicate}",
         ...                          create_mesh([("x", 2), ("y", 4)])).sharding_specs
@@ -311,6 +335,41 @@ class Layout:
 
     def __reduce__(self):
         return Layout.from_string, (self._string,)
+
+
+def _shards(axis, mesh: Mesh) -> int:
+    if axis == MATCH:
+        return 2 ** 64 - 1
+    n = 1
+    for d in axis_dims(axis):  # (a loop, not math.prod: Dynamo traces a Layout made inside spmd.function)
+        n *= mesh.dim_size(d)
+    return n
+
+
+def _is_spec(spec) -> bool:
+    return isinstance(spec, str) or (isinstance(spec, (tuple, list)) and all(isinstance(d, str) for d in spec))
+
+
+def _spec(axis) -> str:
+    return UNSHARDED if axis is None else MULTI.join(axis_dims(axis))
+
+
+def _axis(spec, mesh: Mesh):
+    """One `Layout.axes` entry from a spec: `"x"`, `"x+y"`, `("x", "y")`, `UNSHARDED` or `MATCH`."""
+    if isinstance(spec, str):
+        if spec in (UNSHARDED, MATCH) or spec in mesh:
+            return None if spec == UNSHARDED else spec
+        dims = tuple(spec.split(MULTI)) if MULTI in spec else (spec,)
+    else:
+        dims = tuple(spec)
+    for d in dims:
+        if d not in mesh:
+            raise LayoutError(f"{d}: A dimension sharding must either be a valid mesh dimension or "
+                              f"UNSHARDED. Mesh dimensions: {mesh.dim_names}" +
+                              (f" (in the multi-axis spec {spec!r})" if len(dims) > 1 else ""))
+    if not dims:
+        return None
+    return dims if len(dims) > 1 else dims[0]
 
 
 def _check_rank(rank: int) -> None:

@@ -27,7 +27,15 @@ _SHORT_DEVICE = re.compile(r"^(?:/?device:)?([A-Za-z_]+):(\d+)$")
 _DEVICE_TYPES = {"CPU": "CPU", "GPU": "GPU", "CUDA": "GPU", "TPU": "TPU"}
 MAX_VIRTUAL_DEVICES = 1 << 16  # virtual devices of one in-process mesh (each holds a component in this process)
 _RESERVED_NAMES = frozenset({"unsharded", "match"})  # layout.UNSHARDED and layout.MATCH (layout imports mesh)
-_SEPARATORS = frozenset(",|=")
+_SEPARATORS = frozenset(",|=+")  # "+" joins the mesh dims of a layout spec sharding one axis over several
+
+
+def axis_dims(axis) -> tuple[str, ...]:
+    """The mesh dims sharding one tensor axis, as an entry of `Layout.axes` gives them (None, a mesh dim name, or
+    a tuple of several, major first)."""
+    if axis is None:
+        return ()
+    return axis if type(axis) is tuple else (axis,)
 
 
 def canonical_device(device: str | torch.device, job_prefix: str = _JOB_PREFIX) -> str:
@@ -85,6 +93,7 @@ class Mesh:
 
     __slots__ = ("_dim_names", "_shape", "_global_ids", "_local_ids", "_local_devices", "_name",
                  "_global_devices", "_hash", "_dim_index", "_string", "_torch_device")
+    remote = None  # the session of a single-controller mesh (spmd.controller), whose workers hold the components
 
     def __init__(self, dim_names: Sequence[str], global_device_ids, local_device_ids: Sequence[int],
                  local_devices: Sequence[str], mesh_name: str = "", global_devices: Sequence[str] | None = None):
@@ -102,7 +111,7 @@ class Mesh:
                 raise LayoutError(
                     f"mesh dimension name {n!r} is not allowed: 'unsharded' and 'match' are layout keywords, and "
                     f"a name needs at least one character and none of {''.join(sorted(_SEPARATORS))!r} (they "
-                    "separate the fields of a mesh's string form)")
+                    "separate the fields of a mesh's or a layout's string form)")
         if len(dim_names) != ids.ndim:
             raise LayoutError(f"Number of mesh dimensions ({ids.ndim}, shape {list(ids.shape)}) does not match "
                               f"number of dimension names {dim_names}.")

@@ -12,7 +12,7 @@ from typing import Sequence
 import torch
 
 from spmd.dtensor import make
-from spmd.layout import Layout
+from spmd.layout import Layout, axis_dims
 
 _GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as a signed 64-bit integer
 _M1 = -4658895280553007687  # 0xBF58476D1CE4E5B9
@@ -51,16 +51,24 @@ def global_index(shape: Sequence[int], axes: Sequence, mesh, device) -> torch.Te
     locations = [mesh.device_location(i - mesh.min_global_device_id()) for i in mesh.local_device_ids()]
     index = torch.zeros((n_local,) + (1,) * len(shape), dtype=torch.int64, device=device)
     stride = 1
+    shards = [math.prod(mesh.dim_size(m) for m in axis_dims(axis)) for axis in axes]
     for a in reversed(range(len(shape))):
-        m = axes[a]
-        local = shape[a] // (mesh.dim_size(m) if m else 1)
-        first = torch.tensor([loc[mesh.axis_index(m)] * local if m else 0 for loc in locations], device=device)
+        local = shape[a] // shards[a]
+        first = torch.tensor([_block(loc, axes[a], mesh) * local for loc in locations], device=device)
         view = [1] * (len(shape) + 1)
         view[a + 1] = local
         index = index + (first.view((n_local,) + (1,) * len(shape)) + torch.arange(
             local, device=device).view(view)) * stride
         stride *= shape[a]
-    return index.expand((n_local,) + tuple(s // (mesh.dim_size(m) if m else 1) for s, m in zip(shape, axes)))
+    return index.expand((n_local,) + tuple(s // n for s, n in zip(shape, shards)))
+
+
+def _block(location, axis, mesh) -> int:
+    """The index of the block along one tensor axis sharded over `axis` (row-major over its mesh dims)."""
+    index = 0
+    for m in axis_dims(axis):
+        index = index * mesh.dim_size(m) + location[mesh.axis_index(m)]
+    return index
 
 
 def uniform_bits(index: torch.Tensor, key: int) -> torch.Tensor:

@@ -54,7 +54,7 @@ def _local_blocks(layout: Layout, shape: tuple[int, ...]) -> tuple[Block, ...]:
     found: dict[tuple[int, ...], list] = {}  # offsets -> [first-replica position or None, other positions]
     for position, device in enumerate(mesh.local_device_ids()):
         location = mesh.device_location(device - base)
-        index = [0 if axis is None else location[mesh.axis_index(axis)] for axis in layout.axes]
+        index = layout.shard_index(location)
         offsets = tuple(i * s for i, s in zip(index, local_shape))
         entry = found.setdefault(offsets, [None, []])
         if entry[0] is None and layout.is_first_replica(location):

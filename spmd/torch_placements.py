@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from spmd.errors import LayoutError
+from spmd.mesh import axis_dims
 
 REDUCE_OPS = ("sum", "avg", "max", "min")  # spmd's pending reductions, each one a torch Partial's reduce_op
 
@@ -21,17 +22,28 @@ def _types():
     return Partial, Replicate, Shard, _StridedShard
 
 
-def to_placements(dim_names: Sequence[str], axes: Sequence[str | None], pending: Sequence[str] = (),
-               pending_op: str = "sum") -> tuple:
+def to_placements(dim_names: Sequence[str], axes: Sequence, pending: Sequence[str] = (),
+                  pending_op: str = "sum") -> tuple:
     """One placement per mesh dim, in `dim_names` order: `Shard(i)` where tensor axis i is sharded over it,
-    `Partial(pending_op)` where a reduction over it is pending, else `Replicate()`."""
+    `Partial(pending_op)` where a reduction over it is pending, else `Replicate()`. An axis sharded over several
+    mesh dims is a `Shard(i)` on each: torch splits it over them in mesh order (the first major), so their order
+    in the layout must be the mesh's."""
     Partial, Replicate, Shard, _ = _types()
+    axis_of = {}
+    for i, axis in enumerate(axes):
+        dims = axis_dims(axis)
+        if list(dims) != sorted(dims, key=list(dim_names).index):
+            raise LayoutError(f"tensor axis {i} is sharded over mesh dims {dims} in that order (the first major), "
+                              f"but torch's Shard placements split an axis over mesh dims in mesh order "
+                              f"{list(dim_names)}; relayout to {tuple(sorted(dims, key=list(dim_names).index))} "
+                              "first")
+        axis_of.update((d, i) for d in dims)
     out = []
     for name in dim_names:
         if name in pending:
             out.append(Partial(pending_op))
-        elif name in axes:
-            out.append(Shard(list(axes).index(name)))
+        elif name in axis_of:
+            out.append(Shard(axis_of[name]))
         else:
             out.append(Replicate())
     return tuple(out)
@@ -49,8 +61,9 @@ def split(dim_names: Sequence[str], placements: Sequence, rank: int) -> tuple[li
     for name, p in zip(dim_names, placements):
         if isinstance(p, StridedShard):
             raise LayoutError(f"placement {p} on mesh dim {name!r} is a strided shard (torch's record of an axis "
-                              f"sharded over several mesh dims, in {_show(placements)}); an spmd layout shards a "
-                              "tensor axis over at most one mesh dim: redistribute the torch DTensor first")
+                              f"sharded over several mesh dims in an order other than the mesh's, in "
+                              f"{_show(placements)}); spmd reads plain Shard placements: redistribute the torch "
+                              "DTensor first")
         if isinstance(p, Shard):
             _shard(axes, p.dim, name, placements)
         elif isinstance(p, Partial):
@@ -68,11 +81,8 @@ def _shard(axes: list, dim: int, name: str, placements) -> None:
         raise LayoutError(f"Shard({dim}) on mesh dim {name!r} is out of range for a tensor of rank {rank} "
                           f"(placements {_show(placements)})")
     dim %= rank
-    if axes[dim] is not None:
-        raise LayoutError(f"tensor axis {dim} is sharded over mesh dims {axes[dim]!r} and {name!r} "
-                          f"(placements {_show(placements)}); an spmd layout shards a tensor axis over at most one "
-                          "mesh dim: replicate one of them or shard another axis")
-    axes[dim] = name
+    # several Shard(dim) split that axis over their mesh dims in mesh order (the first major)
+    axes[dim] = name if axes[dim] is None else axis_dims(axes[dim]) + (name,)
 
 
 def _one_op(ops: set, placements) -> str:

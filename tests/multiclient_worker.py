@@ -125,6 +125,25 @@ def _check_collectives(dims, per):
             want = spmd.relayout(spmd.copy_to_mesh(value, Layout(list(src), ref_mesh)), Layout(list(dst), ref_mesh))
             same(f"relayout {src}->{dst}", got._local, want._local[mine])
             same(f"to_global {dst}", spmd.to_global(got), value)
+    # an axis sharded over several mesh dims: permutes, and relayouts to and from every pair (in both orders)
+    for ds in itertools.permutations(names, 2):
+        same(f"permute {ds}", comm.permute(x, mesh, ds, ds[::-1]), ref.permute(full, ref_mesh, ds, ds[::-1])[mine])
+    pairs = []
+    if len(names) > 1:
+        pairs = [p for p in itertools.permutations(names, 2) if 12 % (mesh.dim_size(p[0]) * mesh.dim_size(p[1])) == 0]
+        multi = [(p, U) for p in pairs] + [(p, r) for p in pairs for r in names if r not in p and 6 % mesh.dim_size(r) == 0]
+        for src in multi + layouts:
+            t = spmd.copy_to_mesh(value, Layout(list(src), mesh))
+            for dst in multi + (layouts if src in multi else multi):
+                got = spmd.relayout(t, Layout(list(dst), mesh))
+                want = spmd.relayout(spmd.copy_to_mesh(value, Layout(list(src), ref_mesh)), Layout(list(dst), ref_mesh))
+                same(f"relayout {src}->{dst}", got._local, want._local[mine])
+                same(f"to_global {dst}", spmd.to_global(got), value)
+    for p in pairs[:1]:
+        dv = spmd.copy_to_mesh(value, Layout([p, U], mesh))
+        same(f"sum over {p}", spmd.to_global(dv.sum(0)), value.sum(0), exact=False)
+        product = spmd.relayout(dv @ dv.t(), Layout([p, U], mesh))  # a pending sum reduce-scattered over p
+        same(f"sum into {p}", spmd.to_global(product), value @ value.t(), exact=False)
     # a matmul with a sharded contraction (a pending sum across clients), a sum, a mean, a max
     a = torch.arange(48, dtype=torch.float64).reshape(4, 12) / 7
     b = torch.arange(36, dtype=torch.float64).reshape(12, 3) / 5

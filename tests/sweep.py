@@ -34,15 +34,19 @@ class Const:
         self.value = value
 
 
-def all_layouts(mesh, shape) -> list[Layout]:
+def all_layouts(mesh, shape, multi: bool = False) -> list[Layout]:
     """Every valid layout of a tensor of `shape` on `mesh`: per axis UNSHARDED or a mesh dim (unused by another
-    axis) whose size divides the axis."""
-    options = [[UNSHARDED] + [d for d in mesh.dim_names if size % mesh.dim_size(d) == 0] for size in shape]
+    axis) whose size divides the axis; with `multi` also ordered tuples of several mesh dims."""
+    names = list(mesh.dim_names)
+    if multi:
+        names += [p for k in range(2, len(mesh.dim_names) + 1) for p in itertools.permutations(mesh.dim_names, k)]
     out = []
-    for specs in itertools.product(*options):
-        used = [s for s in specs if s != UNSHARDED]
+    for specs in itertools.product([UNSHARDED] + names, repeat=len(shape)):
+        used = [d for s in specs if s != UNSHARDED for d in ((s,) if isinstance(s, str) else s)]
         if len(used) == len(set(used)):
-            out.append(Layout(list(specs), mesh))
+            layout = Layout(list(specs), mesh)
+            if all(size % n == 0 for size, n in zip(shape, layout.num_shards_per_axis())):
+                out.append(layout)
     return out
 
 
@@ -65,7 +69,7 @@ def check_replicas(t) -> None:
     layout = spmd.fetch_layout(t)
     mesh = layout.mesh
     comps = t._local.detach()
-    free = [mesh.axis_index(d) for d in mesh.dim_names if d not in layout.sharding_specs]
+    free = [mesh.axis_index(d) for d in mesh.dim_names if d not in layout.sharded_mesh_dims]
     locs = [mesh.device_location(i - mesh.min_global_device_id()) for i in mesh.local_device_ids()]
     first: dict = {}
     for comp, loc in zip(comps, locs):

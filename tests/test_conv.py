@@ -160,3 +160,37 @@ def test_batch_norm_statistics_are_two_all_reduces_over_the_batch():
     out, collectives = _issued(lambda: F.batch_norm(x, rm, rv, w, b, training=True))
     assert collectives == [("all_reduce", ("x",)), ("all_reduce", ("x",))]
     assert spmd.fetch_layout(out).sharding_specs == ["x", "y", U, U]
+
+
+def test_a_cnn_training_step_compiles_and_matches_torch():
+    """Conv, batch norm (running statistics updated in place inside the graph), pooling and an optimizer step
+    under spmd.function, with channel-sharded first layers on a batch x model mesh."""
+    mesh = spmd.create_mesh([("batch", 2), ("model", 2)])
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+                              torch.nn.MaxPool2d(2), torch.nn.Conv2d(8, 8, 3), torch.nn.AdaptiveAvgPool2d(1),
+                              torch.nn.Flatten(), torch.nn.Linear(8, 4))
+    reference = copy.deepcopy(net)
+    spmd.distribute_module(net, mesh, spmd.LayoutMap({r"0\.weight": ["model", U, U, U], r"0\.bias": ["model"],
+                                                      r"1\.": ["model"]}))
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (net, reference))
+
+    @spmd.function(backend="aot_eager", fullgraph=False)
+    def step(x, y):
+        loss = F.cross_entropy(net(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    for _ in range(3):
+        x, y = torch.randn(4, 3, 8, 8), torch.randint(0, 4, (4,))
+        loss = step(spmd.copy_to_mesh(x, Layout(["batch", U, U, U], mesh)), spmd.copy_to_mesh(y, Layout(["batch"], mesh)))
+        ref_loss = F.cross_entropy(reference(x), y)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        torch.testing.assert_close(spmd.to_global(loss), ref_loss.detach())
+    torch.testing.assert_close(spmd.to_global(net[1].running_var), reference[1].running_var)
+    torch.testing.assert_close(spmd.to_global(net[4].weight), reference[4].weight.detach())
+    assert step.experimental_get_tracing_count() == 1

@@ -28,9 +28,26 @@ def _all_axes(names, rank):
             yield axes
 
 
-LAYOUTS = [(key, axes) for key, dims in MESHES.items() for rank in (1, 2, 3)
-           for axes in _all_axes([n for n, _ in dims], rank)]
-IDS = [f"{key}:{','.join(a or '_' for a in axes)}" for key, axes in LAYOUTS]
+def _multi_axes(names, rank):
+    """Every choice per axis of None, a mesh dim, or an ordered tuple of several, with a tuple somewhere."""
+    options = [None, *names] + [p for k in range(2, len(names) + 1) for p in itertools.permutations(names, k)]
+    for axes in itertools.product(options, repeat=rank):
+        used = [d for a in axes if a is not None for d in ((a,) if isinstance(a, str) else a)]
+        if len(set(used)) == len(used) and any(isinstance(a, tuple) for a in axes):
+            yield axes
+
+
+def _ids(layouts):
+    return [f"{key}:{','.join('+'.join(a) if isinstance(a, tuple) else a or '_' for a in axes)}"
+            for key, axes in layouts]
+
+
+SINGLE = [(key, axes) for key, dims in MESHES.items() for rank in (1, 2, 3)
+          for axes in _all_axes([n for n, _ in dims], rank)]
+MULTI = [(key, axes) for key, dims in MESHES.items() for rank in (1, 2)
+         for axes in _multi_axes([n for n, _ in dims], rank)]
+LAYOUTS = SINGLE + MULTI
+IDS = _ids(LAYOUTS)
 
 
 def _layout(key, axes):
@@ -38,7 +55,10 @@ def _layout(key, axes):
 
 
 def test_the_sweep_covers_every_layout():
-    assert len(LAYOUTS) == 23 + 23 + 51 + 9
+    assert len(SINGLE) == 23 + 23 + 51 + 9
+    # rank 1: 2 (2x4, 4x2 each) + 12 (2x2x2); rank 2: 2 * 2 (a tuple beside an unsharded axis), then 2x2x2: a pair
+    # (6 ordered) beside None or the third dim, or a triple (6) beside None, on either axis
+    assert len(MULTI) == (2 + 2 + 12) + (4 + 4 + 2 * (6 * 2 + 6))
 
 
 # -- round trips --------------------------------------------------------------------------------------------------
@@ -67,7 +87,7 @@ def test_permuted_device_ids_round_trip(key):
     mesh = create_mesh(MESHES[key])
     ids = np.random.default_rng(0).permutation(8) + 100
     for rank in (1, 2, 3):
-        for axes in _all_axes(mesh.dim_names, rank):
+        for axes in [*_all_axes(mesh.dim_names, rank), *_multi_axes(mesh.dim_names, rank)]:
             layout = Layout.from_axes(axes, mesh)
             text = layout.to_hlo_sharding(device_ids=ids)
             assert Layout.from_hlo_sharding(text, mesh, device_ids=ids, rank=rank) == layout
@@ -89,6 +109,11 @@ def test_permuted_device_ids_round_trip(key):
     ("2x2x2", (None, "z", "y"), "{devices=[1,2,2,2]<=[2,2,2]T(2,1,0) last_tile_dim_replicate}"),
     ("2x2x2", ("y", "x"), "{devices=[2,2,2]<=[2,2,2]T(1,0,2) last_tile_dim_replicate}"),
     ("8", (None, "x"), "{devices=[1,8]<=[8]}"),
+    # an axis tiled over several mesh dims, the first major (JAX's P(("x", "y")))
+    ("2x4", (("x", "y"), None), "{devices=[8,1]<=[8]}"),
+    ("2x4", (("y", "x"),), "{devices=[8]<=[2,4]T(1,0)}"),
+    ("2x2x2", (("x", "z"), None), "{devices=[4,1,2]<=[2,2,2]T(0,2,1) last_tile_dim_replicate}"),
+    ("2x2x2", ("y", ("z", "x")), "{devices=[2,4]<=[2,4]T(1,0)}"),
 ])
 def test_canonical_text(key, axes, text):
     layout = _layout(key, axes)
@@ -258,10 +283,8 @@ def test_op_sharding_errors():
     ("{maximal device=3}", 1, "maximal sharding puts the whole tensor on device 3"),
     ("{manual}", 1, "manual sharding"),
     ("{devices=[2,2,2]<=[8] last_tile_dims={manual}}", None, r"manual subgroups of \[2\] devices"),
-    ("{devices=[8,1]<=[8]}", None, r"tensor axis 0 is split 8 ways over several mesh dims \['x', 'y'\] together; "
-                                   r"8 tiles match no mesh dim \(x=2, y=4\)"),
-    ("{devices=[4,2]<=[8]}", None, r"tensor axis 0 is split 4 ways over several mesh dims \['x', 'y'\] together: "
-                                   "a Layout splits a tensor axis over one whole mesh dim"),
+    ("{devices=[4,2]<=[8]}", None, r"tensor axis 0 is split 4 ways over mesh dims \['x', 'y'\] \(x=2, y=4\) but "
+                                   "its tiles do not run row-major over them in any order"),
     ("{devices=[2,1,4]<=[4,2]T(1,0) last_tile_dim_replicate}", None,
      r"tensor axis 0 is split 2 ways over a subset of mesh dim 'y' \(size 4\)"),
     ("{devices=[2,1,4]4,5,6,7,0,1,2,3 last_tile_dim_replicate}", None,

@@ -30,9 +30,14 @@ MESHES = [[("x", 2), ("y", 4)], [("x", 2), ("y", 2), ("z", 2)], [("x", 8)]]
 PERMUTATION = [3, 1, 2, 0, 7, 5, 6, 4]
 
 
-def every_layout(mesh, rank):
-    for axes in itertools.product([None, *mesh.dim_names], repeat=rank):
-        used = [a for a in axes if a is not None]
+def every_layout(mesh, rank, multi=False):
+    """Every layout of rank `rank` (with `multi`, also axes sharded over ordered tuples of several mesh dims)."""
+    names = mesh.dim_names
+    options = [None, *names]
+    if multi:
+        options += [p for k in range(2, len(names) + 1) for p in itertools.permutations(names, k)]
+    for axes in itertools.product(options, repeat=rank):
+        used = [d for a in axes if a is not None for d in ((a,) if isinstance(a, str) else a)]
         if len(used) == len(set(used)):
             yield Layout.from_axes(axes, mesh)
 
@@ -101,7 +106,7 @@ def test_every_layout_round_trips(dims):
     mesh = spmd.create_mesh(dims)
     jax_mesh = mesh.to_jax()
     for rank in range(4):
-        for layout in every_layout(mesh, rank):
+        for layout in every_layout(mesh, rank, multi=rank < 3):
             sharding = layout.to_jax()
             assert isinstance(sharding, NamedSharding) and sharding.mesh == jax_mesh
             assert tuple(sharding.spec) == layout.axes  # one entry per axis, trailing Nones kept
@@ -118,13 +123,19 @@ def test_from_jax_specs():
     assert Layout.from_jax(P(("x",), (), None, "y"), mesh).sharding_specs == ["x", U, U, "y"]
     assert Layout.from_jax(P(), mesh, rank=2) == Layout.replicated(mesh, 2)
     assert Layout.from_jax(sharding, mesh) == Layout(["y"], mesh)
+    # several mesh axes split one tensor axis, the first major
+    assert Layout.from_jax(P(None, ("y", "x")), mesh).sharding_specs == [U, "y+x"]
+    assert Layout.from_jax(P(None, ("y", "x")), mesh).axes == (None, ("y", "x"))
+    assert tuple(Layout([("x", "y")], mesh).to_jax().spec) == (("x", "y"),)
 
 
 def test_from_jax_errors():
     mesh = spmd.create_mesh([("x", 2), ("y", 4)])
-    with pytest.raises(spmd.LayoutError, match=r"entry 1 of P\(None, \('x', 'y'\)\) shards one tensor axis over "
-                                               r"several mesh axes \('x', 'y'\).*at most one mesh dim"):
-        Layout.from_jax(P(None, ("x", "y")), mesh)
+    with pytest.raises(spmd.LayoutError, match=r"entry 1 of P\(None, \('x', None\)\) is \('x', None\): a tuple "
+                                               "lists the mesh axes"):
+        Layout.from_jax(P(None, ("x", None)), mesh)
+    with pytest.raises(spmd.LayoutError, match=r"entry 0 of P\(\('x', 'z'\),\) is 'z', which is not an axis"):
+        Layout.from_jax(P(("x", "z")), mesh)
     with pytest.raises(spmd.LayoutError, match="entry 0 of P.UNCONSTRAINED.* is UNCONSTRAINED"):
         Layout.from_jax(P(P.UNCONSTRAINED), mesh)
     with pytest.raises(spmd.LayoutError, match=r"entry 0 of P\('z',\) is 'z', which is not an axis of the mesh "
@@ -159,7 +170,9 @@ def _shards(array) -> dict:
 
 @pytest.mark.parametrize("dims, spec", [([("x", 2), ("y", 4)], P("y", "x")), ([("x", 2), ("y", 4)], P(None, "y")),
                                         ([("x", 2), ("y", 2), ("z", 2)], P("z", None, "x")),
-                                        ([("x", 8)], P("x")), ([("x", 8)], P())])
+                                        ([("x", 8)], P("x")), ([("x", 8)], P()),
+                                        ([("x", 2), ("y", 4)], P(("x", "y"))), ([("x", 2), ("y", 4)], P(("y", "x"))),
+                                        ([("x", 2), ("y", 2), ("z", 2)], P(("z", "x"), "y"))])
 @pytest.mark.parametrize("permuted", [False, True])
 def test_jax_array_to_dtensor_and_back(dims, spec, permuted):
     shape, names = tuple(s for _, s in dims), tuple(n for n, _ in dims)

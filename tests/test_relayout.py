@@ -39,10 +39,10 @@ def check_components(t, x: torch.Tensor) -> None:
         assert torch.equal(g, w), f"component {i} of layout {layout.sharding_specs}"
 
 
-def sweep_relayout(mesh, shape, grad: bool) -> int:
+def sweep_relayout(mesh, shape, grad: bool, multi: bool = False) -> int:
     x = rand(*shape)
     weights = rand(*shape, seed=5)
-    layouts = all_layouts(mesh, shape)
+    layouts = all_layouts(mesh, shape, multi)
     for src, dst in itertools.product(layouts, layouts):
         leaf = distribute(x, src).detach().requires_grad_(grad)
         out = spmd.relayout(leaf, dst)

@@ -61,16 +61,57 @@ def test_placements_examples():
     assert Layout.replicated(mesh, 2).to_torch() == (Replicate(),) * 3
     assert Layout.from_torch(mesh, [Replicate(), Shard(-1), Replicate()], 3).sharding_specs == [U, U, "y"]
     assert Layout.from_torch(mesh, (Replicate(),) * 3, 0).sharding_specs == []
+    # Shard(i) on several mesh dims splits axis i over them in mesh order, the first major
+    assert Layout([("x", "z"), U, "y"], mesh).to_torch() == (Shard(0), Shard(2), Shard(0))
+    assert Layout.from_torch(mesh, [Shard(0), Shard(0), Shard(0)], 1).axes == (("x", "y", "z"),)
+    assert Layout.from_torch(mesh, [Shard(1), Replicate(), Shard(-1)], 2).sharding_specs == [U, "x+z"]
+
+
+_OFFSETS = """
+import json, sys
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.testing._internal.distributed.fake_pg import FakeStore
+cases, out = json.loads(sys.argv[1]), []
+for rank in range(8):
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=8)
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("x", "y", "z"))
+    out.append([compute_local_shape_and_global_offset((16, 8), mesh, [Shard(p) if p >= 0 else Replicate()
+                                                                     for p in case])[1] for case in cases])
+    dist.destroy_process_group()
+print(json.dumps(out))
+"""
+
+
+def test_multi_axis_placements_match_torchs_offsets():
+    """torch's own DTensor puts each rank's shard where the layout's block index says (a fake process group of 8
+    ranks in a fresh process)."""
+    import json
+    import subprocess
+    import sys
+    mesh = spmd.create_mesh([("x", 2), ("y", 2), ("z", 2)])
+    layouts = [Layout([("x", "y"), U], mesh), Layout([("x", "y", "z"), U], mesh), Layout(["y", ("x", "z")], mesh),
+               Layout([("y", "z"), "x"], mesh)]
+    cases = [[-1 if isinstance(p, Replicate) else p.dim for p in layout.to_torch()] for layout in layouts]
+    done = subprocess.run([sys.executable, "-c", _OFFSETS, json.dumps(cases)], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    offsets = json.loads(done.stdout)
+    for i, layout in enumerate(layouts):
+        local = layout.local_shape_from_global_shape((16, 8))
+        for rank in range(8):
+            assert tuple(offsets[rank][i]) == tuple(b * s for b, s in zip(layout.offset_to_shard()[rank], local))
 
 
 def test_placement_errors():
     mesh = spmd.create_mesh([("x", 2), ("y", 4)])
     with pytest.raises(spmd.LayoutError, match=r"Partial\('sum'\) over mesh dims \['y'\].*from_torch_dtensor"):
         Layout.from_torch(mesh, [Replicate(), Partial()], 2)
-    with pytest.raises(spmd.LayoutError, match=r"tensor axis 0 is sharded over mesh dims 'x' and 'y'"):
-        Layout.from_torch(mesh, [Shard(0), Shard(0)], 2)
-    with pytest.raises(spmd.LayoutError, match=r"tensor axis 1 is sharded over mesh dims 'x' and 'y'"):
-        Layout.from_torch(mesh, [Shard(1), Shard(-1)], 2)
+    with pytest.raises(spmd.LayoutError, match=r"tensor axis 0 is sharded over mesh dims \('y', 'x'\) in that "
+                                               r"order.*mesh order \['x', 'y'\]; relayout to \('x', 'y'\) first"):
+        Layout([("y", "x"), U], mesh).to_torch()
     with pytest.raises(spmd.LayoutError, match="strided shard"):
         Layout.from_torch(mesh, [_StridedShard(0, split_factor=2), Shard(0)], 2)
     with pytest.raises(spmd.LayoutError, match=r"1 placements \(S\(0\)\) for a mesh of 2 dims \['x', 'y'\]"):

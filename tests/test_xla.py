@@ -106,6 +106,7 @@ def test_mesh_errors(ids, shape, names, words):
 @pytest.mark.parametrize("spec, specs", [
     ((0, 1), ["x", "y"]), (("y", None), ["y", UNSHARDED]), ((None, ("x",)), [UNSHARDED, "x"]),
     ((None, None), [UNSHARDED, UNSHARDED]), ((1, 0), ["y", "x"]),
+    ((("x", "y"), None), ["x+y", UNSHARDED]), ((None, (1, 0)), [UNSHARDED, "y+x"]),
 ])
 def test_partition_spec_forms(mesh, spec, specs):
     assert xs.layout_of_partition_spec(mesh, spec, 2).sharding_specs == specs
@@ -114,7 +115,8 @@ def test_partition_spec_forms(mesh, spec, specs):
 @pytest.mark.parametrize("spec, words", [
     ((0,), "1 entries for a tensor of rank 2"),
     ((0, 0), "uses a mesh axis twice"),
-    ((("x", "y"), None), "several mesh axes"),
+    ((("x", None), None), "mixes None with mesh axes"),
+    ((("x", "x"), None), "uses a mesh axis twice"),
     ((2, None), "not a mesh axis"),
     (("z", None), "names axis 'z'"),
     ((True, None), "not a mesh axis"),
@@ -129,6 +131,8 @@ def test_partition_spec_errors(mesh, spec, words):
     ((0, None), xs.ShardingType.PARTIAL, "{devices=[2,1,4]<=[8] last_tile_dim_replicate}"),
     ((1, None), xs.ShardingType.PARTIAL, "{devices=[4,1,2]<=[2,4]T(1,0) last_tile_dim_replicate}"),
     ((1, 0), xs.ShardingType.TILED, "{devices=[4,2]<=[2,4]T(1,0)}"),
+    (((1, 0), None), xs.ShardingType.TILED, "{devices=[8,1]<=[2,4]T(1,0)}"),
+    (((0, 1), None), xs.ShardingType.TILED, "{devices=[8,1]<=[8]}"),
 ])
 def test_local_shards_and_sharding_spec(mesh, spec, kind, text):
     value = torch.arange(32.).reshape(8, 4)
@@ -141,7 +145,7 @@ def test_local_shards_and_sharding_spec(mesh, spec, kind, text):
         expected = value if shard.indices is Ellipsis else value[shard.indices]
         assert torch.equal(shard.data, expected) and torch.equal(shard.unpadded_data, shard.data)
         assert shard.shard_device == f"CPU:{k}"
-        blocks = tuple(None if a is None else (x, y)[["x", "y"].index(a)] for a in layout.axes)
+        blocks = layout.shard_index((x, y))
         replicas.setdefault(blocks, []).append(shard.replica_id)
     for ids in replicas.values():  # each copy of a block has its own replica id, 0 first
         assert ids == list(range(len(ids)))

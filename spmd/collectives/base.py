@@ -29,13 +29,18 @@ class Kind(str, enum.Enum):
 
 class Collective(NamedTuple):
     """One collective as a value (the planner's steps, a rule's declared collectives); `planner.run` executes it.
-    `axis` is the gathered axis (all_gather, all_to_all) or the sharded one (shard, reduce_scatter); `to_axis` the
-    axis an all_to_all shards; `op` the reduction of all_reduce / reduce_scatter."""
+    `axis` is the gathered axis (all_gather, all_to_all) or the sharded one (shard, reduce_scatter, permute);
+    `to_axis` the axis an all_to_all shards; `op` the reduction of all_reduce / reduce_scatter. A permute reorders
+    the mesh dims sharding `axis` from `from_dims` to `mesh_dims` (each device's block moves whole).
+
+    On an axis sharded over several mesh dims, all_gather and all_to_all take its minor (last) mesh dim away, and
+    shard, reduce_scatter and all_to_all add one as the new minor dim."""
     kind: Kind
     mesh_dims: tuple[str, ...]
     axis: int = -1
     to_axis: int = -1
     op: str = "sum"
+    from_dims: tuple[str, ...] = ()
 
     @property
     def moves_data(self) -> bool:
@@ -66,6 +71,12 @@ class Collectives(abc.ABC):
         """Reduces along `mesh_dim` and leaves each device its block of tensor axis `axis`."""
 
     @abc.abstractmethod
+    def permute(self, x: torch.Tensor, mesh, from_dims: tuple[str, ...], to_dims: tuple[str, ...]) -> torch.Tensor:
+        """Moves blocks between devices: the device whose coordinates over `to_dims` (row-major) are `i` gets the
+        component of the device, equal to it on every other mesh dim, whose coordinates over `from_dims` are `i`
+        (the same mesh dims in another order)."""
+
+    @abc.abstractmethod
     def assemble(self, x: torch.Tensor, mesh, axes: tuple) -> torch.Tensor:
-        """The global value (a plain tensor) of stacked components laid out by per-axis mesh dims `axes`;
-        each shard is copied once."""
+        """The global value (a plain tensor) of stacked components laid out by per-axis mesh dims `axes` (a
+        `Layout.axes`: an entry may be a tuple of mesh dims); each shard is copied once."""

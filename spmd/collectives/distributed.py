@@ -43,6 +43,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from spmd.clients import collective_timeout
 from spmd.collectives.base import Collectives
 from spmd.errors import CollectiveError
+from spmd.layout import axis_dims
 
 _GROUPS: dict[tuple[int, ...], object] = {}
 _OPS = {"sum": "sum", "avg": "sum", "max": "max", "min": "min"}  # avg: a sum, divided after
@@ -411,10 +412,28 @@ class DistributedCollectives(Collectives):
         # gloo has no reduce_scatter: all-reduce, then each device keeps its block (a local slice)
         return self.shard(self.all_reduce(x, mesh, (mesh_dim,), op), mesh, mesh_dim, axis)
 
+    def permute(self, x, mesh, from_dims, to_dims):
+        # each group gathers its members' components (in `from_dims` order) and every device keeps the one its
+        # coordinates over `to_dims` name: k blocks received for the one kept, but one collective that also runs
+        # traced (torch.distributed's point-to-point calls do not)
+        dims = tuple(from_dims)
+        base, ids = mesh.min_global_device_id(), mesh.local_device_ids()
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        for batch in _plan(mesh, dims).batches:
+            full = self._gather(x, mesh, dims, batch, f"permute({list(from_dims)} -> {list(to_dims)})")
+            for j, g, _ in batch.local:
+                location = mesh.device_location(ids[j] - base)
+                index = 0
+                for d in to_dims:
+                    index = index * mesh.dim_size(d) + location[mesh.axis_index(d)]
+                out[j] = full[g, index]
+        return out
+
     def assemble(self, x, mesh, axes):
-        for name in mesh.dim_names:  # gather every sharded axis: each client then holds the global value
-            if name in axes and mesh.dim_size(name) > 1:
-                x = self.all_gather(x, mesh, name, axes.index(name))
+        for a, axis in enumerate(axes):  # gather every sharded axis, minor dim first: each client then holds
+            for name in reversed(axis_dims(axis)):  # the global value
+                if mesh.dim_size(name) > 1:
+                    x = self.all_gather(x, mesh, name, a)
         return x[0].clone()
 
 

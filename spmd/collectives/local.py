@@ -7,9 +7,12 @@ per collective, whatever the number of virtual devices.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from spmd.collectives.base import Collectives
+from spmd.layout import axis_dims
 
 
 def _grid(x: torch.Tensor, mesh) -> torch.Tensor:
@@ -80,15 +83,27 @@ class InProcessCollectives(Collectives):
         out = self._split(total, nm, d, axis, grid.shape[d])
         return out.reshape((x.shape[0],) + tuple(out.shape[nm:]))
 
+    def permute(self, x, mesh, from_dims, to_dims):
+        # index the group's devices row-major over `from_dims`; the same flat index read over `to_dims` is where
+        # each component goes: two reshapes of the grid, no index tensor
+        grid, nm = _grid(x, mesh), len(mesh.shape())
+        src = [mesh.axis_index(d) for d in from_dims]
+        dst = [mesh.axis_index(d) for d in to_dims]
+        moved = grid.movedim(src, list(range(len(src))))
+        rest = tuple(moved.shape[len(src):])
+        out = moved.reshape(tuple(mesh.dim_size(d) for d in to_dims) + rest).movedim(list(range(len(dst))), dst)
+        return out.contiguous().view(x.shape)
+
     def assemble(self, x, mesh, axes):
         grid = _grid(x, mesh)
+        sharding = [axis_dims(a) for a in axes]
+        used = {d for dims in sharding for d in dims}
         # one replica of each shard: coordinate 0 along every mesh dim that shards nothing
-        grid = grid[tuple(slice(None) if name in axes else 0 for name in mesh.dim_names)]
-        used = [name for name in mesh.dim_names if name in axes]  # the remaining mesh axes, in mesh order
+        grid = grid[tuple(slice(None) if name in used else 0 for name in mesh.dim_names)]
+        kept = [name for name in mesh.dim_names if name in used]  # the remaining mesh axes, in mesh order
         order, shape = [], []
-        for a, m in enumerate(axes):  # each sharded tensor axis becomes (shard index, block)
-            if m is not None:
-                order.append(used.index(m))
-            order.append(len(used) + a)
-            shape.append(x.shape[a + 1] * (mesh.dim_size(m) if m is not None else 1))
+        for a, dims in enumerate(sharding):  # each sharded tensor axis becomes (shard indices, major first; block)
+            order.extend(kept.index(m) for m in dims)
+            order.append(len(kept) + a)
+            shape.append(x.shape[a + 1] * math.prod(mesh.dim_size(m) for m in dims))
         return grid.permute(order).reshape(shape)

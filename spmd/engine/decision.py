@@ -8,6 +8,7 @@ as run.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
 
@@ -15,8 +16,9 @@ import torch
 
 from spmd.collectives import Collective
 from spmd.errors import UnsupportedOpError
+from spmd.mesh import axis_dims
 
-Axes = tuple  # per tensor axis: a mesh dim name or None
+Axes = tuple  # per tensor axis: a mesh dim name or None (a tuple of several only for rules registered multi_axis)
 
 
 class TensorSpec(NamedTuple):
@@ -54,7 +56,8 @@ class OpCall:
         return tuple(s // self.shards(m) for s, m in zip(shape, axes))
 
     def shards(self, mesh_dim) -> int:
-        return 1 if mesh_dim is None else self.mesh.dim_size(mesh_dim)
+        """How many blocks an axis sharded over `mesh_dim` has (None: 1; a tuple of mesh dims: their product)."""
+        return math.prod(self.mesh.dim_size(d) for d in axis_dims(mesh_dim))
 
     def describe(self) -> str:
         parts = [f"{list(a.shape)}:{[m or 'unsharded' for m in a.axes]}" if isinstance(a, TensorSpec) else repr(a)

@@ -12,16 +12,25 @@ Per mesh dimension the transition table is:
 
 Steps are ordered so that every intermediate state is a valid layout (one mesh dimension per tensor axis).
 Plans depend only on immutable values and are cached.
+
+When either side shards an axis over several mesh dims, the steps act on the minor (last) mesh dim of an axis
+(gathered or moved away by all_gather / all_to_all, added by shard / reduce_scatter / all_to_all), and a permute
+reorders an axis's mesh dims; the plan is then the cheapest path found by a search over those steps: fewest
+collectives, then fewest bytes per device.
 """
 
 from __future__ import annotations
 
 import functools
+import heapq
+import itertools
+import math
 
 import torch
 
 from spmd import explain
 from spmd.collectives import Collective, Kind, backend_for
+from spmd.layout import axis_dims
 
 
 @functools.lru_cache(maxsize=4096)
@@ -64,8 +73,83 @@ def plan(src: tuple, dst: tuple, pending: tuple = (), op: str = "sum") -> tuple[
 
 @functools.lru_cache(maxsize=4096)
 def plan_on(mesh, src: tuple, dst: tuple, pending: tuple = (), op: str = "sum") -> tuple[Collective, ...]:
-    """`plan` without the steps over mesh dims of size 1 (they move nothing)."""
+    """`plan` without the steps over mesh dims of size 1 (they move nothing); `search` where an axis of `src`
+    or `dst` is sharded over several mesh dims."""
+    if any(type(a) is tuple for a in src) or any(type(a) is tuple for a in dst):
+        return search(mesh, src, dst, pending, op)
     return tuple(s for s in plan(src, dst, pending, op) if mesh.dim_size(s.mesh_dims[0]) > 1)
+
+
+def search(mesh, src: tuple, dst: tuple, pending: tuple = (), op: str = "sum") -> tuple[Collective, ...]:
+    """The cheapest steps from `src` (with a pending `op` reduction over `pending`) to `dst`, any axis sharded over
+    any number of mesh dims: Dijkstra over layouts, costed (collectives, bytes per device as a fraction of the
+    global tensor, steps). Mesh dims of size 1 are left out (they split nothing)."""
+    def real(axis):
+        return tuple(d for d in axis_dims(axis) if mesh.dim_size(d) > 1)
+
+    start = (tuple(real(a) for a in src), tuple(d for d in pending if mesh.dim_size(d) > 1))
+    goal = (tuple(real(a) for a in dst), ())
+    # the plan does not know the tensor's shape, only that src's and dst's shard counts divide each axis: every
+    # layout on the way splits an axis into a divisor of one of them
+    ends = [(_count(mesh, s), _count(mesh, d)) for s, d in zip(start[0], goal[0])]
+    frontier = [((0, 0.0, 0), 0, start, ())]
+    done = set()
+    tie = itertools.count(1)
+    while frontier:
+        cost, _, state, steps = heapq.heappop(frontier)
+        if state == goal:
+            return steps
+        if state in done:
+            continue
+        done.add(state)
+        for step, nxt, (n, moved) in _moves(mesh, *state, goal[0], op):
+            if nxt not in done and all(a % c == 0 or b % c == 0
+                                       for (a, b), c in zip(ends, (_count(mesh, dims) for dims in nxt[0]))):
+                heapq.heappush(frontier, ((cost[0] + n, cost[1] + moved, cost[2] + 1), next(tie), nxt,
+                                          steps + (step,)))
+    raise AssertionError(f"no relayout from {src} to {dst}")  # unreachable: gathering all, then sharding, works
+
+
+def _moves(mesh, axes: tuple, pending: tuple, goal: tuple, op: str):
+    """(step, next state, (collectives, bytes moved per device)) from layout `axes` with `pending` reductions.
+    Dims are added only where `goal` wants them; every step is valid on an unreduced sum, since it moves whole
+    blocks between devices that agree on the pending dims."""
+    size = mesh.dim_size
+    block = 1.0 / math.prod(_count(mesh, dims) for dims in axes)  # a device's share of the global tensor
+    wanted = {d: b for b, dims in enumerate(goal) for d in dims}
+    for m in pending:
+        rest = tuple(p for p in pending if p != m)
+        k = size(m)
+        yield Collective(Kind.ALL_REDUCE, (m,), op=op), (axes, rest), (1, 2 * (k - 1) / k * block)
+        if m in wanted:
+            b = wanted[m]
+            yield (Collective(Kind.REDUCE_SCATTER, (m,), b, op=op), (_add(axes, b, m), rest),
+                   (1, (k - 1) / k * block))
+    used = {d for dims in axes for d in dims}
+    for m, b in wanted.items():
+        if m not in used and m not in pending:
+            yield Collective(Kind.SHARD, (m,), b), (_add(axes, b, m), pending), (0, 0.0)
+    for a, dims in enumerate(axes):
+        if not dims:
+            continue
+        m, k = dims[-1], size(dims[-1])
+        popped = axes[:a] + (dims[:-1],) + axes[a + 1:]
+        yield Collective(Kind.ALL_GATHER, (m,), a), (popped, pending), (1, (k - 1) * block)
+        b = wanted.get(m)
+        if b is not None and b != a:
+            yield Collective(Kind.ALL_TO_ALL, (m,), a, b), (_add(popped, b, m), pending), (1, (k - 1) / k * block)
+        for order in itertools.permutations(dims):
+            if order != dims:
+                yield (Collective(Kind.PERMUTE, order, a, from_dims=dims),
+                       (axes[:a] + (order,) + axes[a + 1:], pending), (1, block))
+
+
+def _count(mesh, dims: tuple) -> int:
+    return math.prod(mesh.dim_size(d) for d in dims)
+
+
+def _add(axes: tuple, b: int, m: str) -> tuple:
+    return axes[:b] + (axes[b] + (m,),) + axes[b + 1:]
 
 
 def _mesh_dims(cur, dst):
@@ -93,6 +177,8 @@ def execute(comm, step: Collective, local: torch.Tensor, mesh) -> torch.Tensor:
         explain.collective(kind, step.mesh_dims, local)
     if kind is Kind.ALL_REDUCE:
         return comm.all_reduce(local, mesh, step.mesh_dims, step.op)
+    if kind is Kind.PERMUTE:
+        return comm.permute(local, mesh, step.from_dims, step.mesh_dims)
     (mesh_dim,) = step.mesh_dims
     if kind is Kind.REDUCE_SCATTER:
         return comm.reduce_scatter(local, mesh, mesh_dim, step.axis, step.op)

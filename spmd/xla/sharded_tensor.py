@@ -90,7 +90,7 @@ class XLAShardedTensor(DTensor):
 
     @property
     def sharding_type(self) -> ShardingType:
-        used = {a for a in self._layout.axes if a is not None}
+        used = self._layout.sharded_mesh_dims
         if not used:
             return ShardingType.REPLICATED
         return ShardingType.TILED if len(used) == len(self._layout.mesh.dim_names) else ShardingType.PARTIAL
@@ -104,13 +104,9 @@ class XLAShardedTensor(DTensor):
         if layout.is_fully_replicated():
             return Ellipsis
         out = []
-        for size, axis in zip(self.shape, layout.axes):
-            if axis is None:
-                out.append(slice(0, size, 1))
-                continue
-            block = size // layout.mesh.dim_size(axis)
-            start = location[layout.mesh.axis_index(axis)] * block
-            out.append(slice(start, start + block, 1))
+        for axis, (size, index) in enumerate(zip(self.shape, layout.shard_index(location))):
+            block = size // layout.num_shards(axis)
+            out.append(slice(index * block, index * block + block, 1))
         return tuple(out)
 
     def __repr__(self, *, tensor_contents=None) -> str:
@@ -145,6 +141,6 @@ def _rewrap(t: DTensor) -> XLAShardedTensor:
 def _replica_id(layout, location) -> int:
     """The index of this copy among the devices holding the same slice: row-major over the replicated dims."""
     mesh = layout.mesh
-    replicated = [i for i, name in enumerate(mesh.dim_names) if name not in layout.axes]
+    replicated = [i for i, name in enumerate(mesh.dim_names) if name not in layout.sharded_mesh_dims]
     shape = [mesh.shape()[i] for i in replicated]
     return int(np.ravel_multi_index([location[i] for i in replicated], shape)) if replicated else 0

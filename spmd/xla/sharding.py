@@ -16,7 +16,7 @@ from torch import nn
 from spmd.api import copy_to_mesh, relayout
 from spmd.dtensor import DTensor
 from spmd.errors import LayoutError
-from spmd.layout import UNSHARDED, Layout
+from spmd.layout import MULTI, UNSHARDED, Layout
 from spmd.mesh import Mesh as SpmdMesh
 from spmd.xla.mesh import Mesh
 from spmd.xla.sharded_tensor import XLAShardedTensor, wrap
@@ -82,7 +82,7 @@ def layout_of_partition_spec(mesh: Mesh | SpmdMesh, partition_spec: PartitionSpe
                           "tensor dimension (None for a replicated one)")
     names = xla_mesh.to_spmd().dim_names
     specs = [_mesh_dim(entry, xla_mesh, names, spec) for entry in spec]
-    used = [s for s in specs if s != UNSHARDED]
+    used = [d for s in specs if s != UNSHARDED for d in s.split(MULTI)]
     if len(set(used)) != len(used):
         raise LayoutError(f"partition_spec {spec} uses a mesh axis twice; each mesh axis shards at most one tensor "
                           "dimension")
@@ -90,12 +90,15 @@ def layout_of_partition_spec(mesh: Mesh | SpmdMesh, partition_spec: PartitionSpe
 
 
 def _mesh_dim(entry, mesh: Mesh, names: list[str], spec: tuple) -> str:
+    """A layout spec of one partition spec entry; a tuple of several axes shards the dimension over all of them
+    (row-major, the first major), as XLA does."""
     if isinstance(entry, tuple):
-        if len(entry) != 1:
-            raise LayoutError(f"partition_spec {spec}: {entry} shards one tensor dimension over several mesh axes, "
-                              "which spmd does not support yet; shard it over one axis (or merge those axes into "
-                              "one when you build the mesh)")
-        entry = entry[0]
+        if len(entry) > 1:
+            if None in entry:
+                raise LayoutError(f"partition_spec {spec}: {entry} mixes None with mesh axes; a tuple lists the "
+                                  "mesh axes that shard one tensor dimension")
+            return MULTI.join(_mesh_dim(e, mesh, names, spec) for e in entry)
+        entry = entry[0] if entry else None
     if entry is None:
         return UNSHARDED
     if isinstance(entry, str):

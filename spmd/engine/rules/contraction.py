@@ -62,22 +62,22 @@ def _contraction(call: OpCall, equation: str, kernel) -> Decision:
     return Decision(tuple(required), (out_axes,), kernel, reduce=(reduced,) if reduced else ())
 
 
-@register(aten.mm.default)
+@register(aten.mm.default, blockwise=True)
 def mm_rule(call: OpCall) -> Decision:
     return _contraction(call, "mk,kn->mn", _mm_kernel)
 
 
-@register(aten.bmm.default)
+@register(aten.bmm.default, blockwise=True)
 def bmm_rule(call: OpCall) -> Decision:
     return _contraction(call, "bmk,bkn->bmn", _bmm_kernel)
 
 
-@register(aten.mv.default)
+@register(aten.mv.default, blockwise=True)
 def mv_rule(call: OpCall) -> Decision:
     return _contraction(call, "mk,k->m", lambda l, a, k: torch.matmul(l[0], l[1].unsqueeze(-1)).squeeze(-1))
 
 
-@register(aten.dot.default)
+@register(aten.dot.default, blockwise=True)
 def dot_rule(call: OpCall) -> Decision:
     return _contraction(call, "k,k->", lambda l, a, k: (l[0] * l[1]).sum(-1))
 

@@ -82,7 +82,7 @@ def is_pointwise(func) -> bool:
     return False
 
 
-@register_family(is_pointwise, floats_at_run_time=True)
+@register_family(is_pointwise, floats_at_run_time=True, blockwise=True)
 def pointwise_rule(call: OpCall) -> Decision:
     specs = call.specs
     if any(a.alias_info is not None and a.alias_info.is_write for a in call.func._schema.arguments[1:]):
@@ -147,7 +147,7 @@ def _in_memory_format(call: OpCall, kernel):
 
 
 register(aten.clone, aten.alias, aten.detach, aten.lift_fresh, aten.fill_, aten.zero_, aten.positive,
-         aten.conj_physical, floats_at_run_time=True)(like_rule)
+         aten.conj_physical, floats_at_run_time=True, blockwise=True)(like_rule)
 
 
 @register(aten._conj.default, aten._neg_view.default)
@@ -160,14 +160,14 @@ def lazy_view_rule(call: OpCall) -> Decision:
     return Decision((axes,), (axes,), lambda l, a, k: compute(l[0]), copies=True)
 
 
-@register(aten.zeros_like, aten.ones_like, aten.empty_like, aten.full_like, floats_at_run_time=True)
+@register(aten.zeros_like, aten.ones_like, aten.empty_like, aten.full_like, floats_at_run_time=True, blockwise=True)
 def value_free_like_rule(call: OpCall) -> Decision:
     """`ones_like` and kin read only their input's layout and shape: a pending sum stays pending for its readers."""
     decision = like_rule(call)
     return dataclasses.replace(decision, keeps=(0,)) if call.specs[0].pending else decision
 
 
-@register(aten._to_copy.default)
+@register(aten._to_copy.default, blockwise=True)
 def to_copy_rule(call: OpCall) -> Decision:
     device = call.kwargs.get("device")
     if device is not None and torch.device(device) != call.mesh.torch_device:
@@ -176,7 +176,7 @@ def to_copy_rule(call: OpCall) -> Decision:
     return like_rule(call)
 
 
-@register(aten.copy_.default)
+@register(aten.copy_.default, blockwise=True)
 def copy_rule(call: OpCall) -> Decision:
     dst, src = call.specs
     inputs, views = aligned_inputs(call, [dst, src], dst.axes, dst.shape)

@@ -31,7 +31,7 @@ def _random_decision(call: OpCall, kernel, inplace: bool, outputs=None) -> Decis
                     single=outputs is None)
 
 
-@register(aten.bernoulli_.float, aten.bernoulli_.Tensor)
+@register(aten.bernoulli_.float, aten.bernoulli_.Tensor, multi_axis=True)
 def bernoulli_inplace_rule(call: OpCall) -> Decision:
     spec = call.specs[0]
 
@@ -42,7 +42,7 @@ def bernoulli_inplace_rule(call: OpCall) -> Decision:
     return _random_decision(call, kernel, True)
 
 
-@register(aten.bernoulli.default, aten.bernoulli.p)
+@register(aten.bernoulli.default, aten.bernoulli.p, multi_axis=True)
 def bernoulli_rule(call: OpCall) -> Decision:
     spec = call.specs[0]
 
@@ -52,7 +52,7 @@ def bernoulli_rule(call: OpCall) -> Decision:
     return _random_decision(call, kernel, False)
 
 
-@register(aten.uniform_.default)
+@register(aten.uniform_.default, multi_axis=True)
 def uniform_rule(call: OpCall) -> Decision:
     spec = call.specs[0]
 
@@ -65,7 +65,7 @@ def uniform_rule(call: OpCall) -> Decision:
     return _random_decision(call, kernel, True)
 
 
-@register(aten.normal_.default)
+@register(aten.normal_.default, multi_axis=True)
 def normal_rule(call: OpCall) -> Decision:
     spec = call.specs[0]
 
@@ -76,7 +76,7 @@ def normal_rule(call: OpCall) -> Decision:
     return _random_decision(call, kernel, True)
 
 
-@register(aten.rand_like.default, aten.randn_like.default)
+@register(aten.rand_like.default, aten.randn_like.default, multi_axis=True)
 def rand_like_rule(call: OpCall) -> Decision:
     spec = call.specs[0]
     draw = _uniform if call.func is aten.rand_like.default else _normal
@@ -87,7 +87,7 @@ def rand_like_rule(call: OpCall) -> Decision:
     return _random_decision(call, kernel, False)
 
 
-@register(aten.native_dropout.default)
+@register(aten.native_dropout.default, multi_axis=True)
 def native_dropout_rule(call: OpCall) -> Decision:
     spec = call.specs[0]
     p, train = call.args[1], call.args[2]

@@ -104,10 +104,10 @@ def _full_kernel(call: OpCall, r: int):
     return kernel
 
 
-register(aten.sum.dim_IntList, aten.sum.default)(lambda call: reduce_rule(call, "sum"))
-register(aten.mean.dim, aten.mean.default)(lambda call: reduce_rule(call, "avg"))
-register(aten.amax.default, aten.max.default)(lambda call: reduce_rule(call, "max"))
-register(aten.amin.default, aten.min.default)(lambda call: reduce_rule(call, "min"))
+register(aten.sum.dim_IntList, aten.sum.default, blockwise=True)(lambda call: reduce_rule(call, "sum"))
+register(aten.mean.dim, aten.mean.default, blockwise=True)(lambda call: reduce_rule(call, "avg"))
+register(aten.amax.default, aten.max.default, blockwise=True)(lambda call: reduce_rule(call, "max"))
+register(aten.amin.default, aten.min.default, blockwise=True)(lambda call: reduce_rule(call, "min"))
 register(aten.var.correction, aten.std.correction, aten.var_mean.correction, aten.std_mean.correction,
          aten.max.dim, aten.min.dim, aten.argmax.default, aten.argmin.default, aten.prod.dim_int,
          aten.prod.default, aten.any.dim, aten.all.dim, aten.any.default, aten.all.default, aten.logsumexp.default,

@@ -310,7 +310,7 @@ def triangle_rule(call: OpCall) -> Decision:
 
 
 @register(aten.new_zeros.default, aten.new_ones.default, aten.new_empty.default, aten.new_full.default,
-          aten.new_empty_strided.default)
+          aten.new_empty_strided.default, multi_axis=True)
 def new_factory_rule(call: OpCall) -> Decision:
     """`x.new_zeros(size)` and friends: a tensor of the given global size on x's mesh, with x's layout when it
     has x's shape (autograd builds a leaf's `.grad` with `grad.new_empty_strided(...).copy_(grad)`), else

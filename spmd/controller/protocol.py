@@ -1,0 +1,104 @@
+"""What travels from the controller to its workers: instructions whose arguments name worker-side objects.
+
+A message is `pickle((freed_handles, [instruction, ...]))`; plain pickle, no code is shipped. In an instruction,
+a controller DTensor becomes its `Handle`, a Layout or mesh of a controller mesh becomes a reference to the
+worker's own mesh (`LayoutRef`, `MeshRef`), the `meta` device (where the controller keeps its metadata
+shadows) becomes the worker's device (`DEVICE`), and an op travels as its qualified name (`aten.add.Tensor`).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from spmd.layout import Layout
+
+# instruction kinds: ("op", op_name, args, kwargs, out_handles), ("put", handle, layout_ref, shape, stack,
+# replicated_value), ("mesh", mesh_id, dims, name), ("call", function_name, args): a value sent back
+OP, PUT, MESH, CALL = "op", "put", "mesh", "call"
+
+
+@dataclass(frozen=True)
+class Handle:
+    """A worker-side DTensor, by the id the controller gave it."""
+    id: int
+
+
+@dataclass(frozen=True)
+class MeshRef:
+    id: int
+
+
+@dataclass(frozen=True)
+class LayoutRef:
+    mesh: int
+    specs: tuple
+
+
+@dataclass(frozen=True)
+class LayoutString:
+    """A layout passed as TF's string (`spmd::relayout`'s argument), on a controller mesh."""
+    mesh: int
+    specs: tuple
+
+
+class _Device:
+    def __reduce__(self):
+        return "DEVICE"
+
+
+DEVICE = _Device()  # the device of the worker's components
+_META = torch.device("meta")
+
+
+def op_name(func) -> str:
+    """`aten.add.Tensor` for `torch.ops.aten.add.Tensor` (an OpOverload pickles by name)."""
+    return str(func)
+
+
+@functools.lru_cache(maxsize=None)
+def resolve_op(name: str):
+    namespace, op, overload = name.split(".")
+    return getattr(getattr(getattr(torch.ops, namespace), op), overload)
+
+
+def encode(value, refs):
+    """`value` with controller objects replaced by references; `refs(obj)` maps a DTensor, Layout or Mesh of a
+    controller mesh to its reference (None for anything else)."""
+    t = type(value)
+    if t is int or t is float or t is bool or value is None or t is str:
+        return value
+    if t is list or t is tuple:
+        return t(encode(v, refs) for v in value)
+    if t is dict:
+        return {k: encode(v, refs) for k, v in value.items()}
+    if t is torch.device:
+        return DEVICE if value == _META else value
+    ref = refs(value)
+    return value if ref is None else ref
+
+
+def decode(value, table, meshes, device):
+    """The worker's objects for the references in `value`."""
+    t = type(value)
+    if t is Handle:
+        return table[value.id]
+    if t is list or t is tuple:
+        return t(decode(v, table, meshes, device) for v in value)
+    if t is dict:
+        return {k: decode(v, table, meshes, device) for k, v in value.items()}
+    if t is LayoutRef:
+        return layout_on(meshes[value.mesh], value.specs)
+    if t is LayoutString:
+        return layout_on(meshes[value.mesh], value.specs).to_string()
+    if t is MeshRef:
+        return meshes[value.mesh]
+    if value is DEVICE:
+        return device
+    return value
+
+
+def layout_on(mesh, specs) -> Layout:
+    return Layout(list(specs), mesh)

@@ -1,0 +1,101 @@
+"""The controller's side of a DTensor whose components live in worker processes.
+
+A `RemoteDTensor` is a DTensor whose stacked components are a metadata *shadow*: `meta` tensors of the real
+components' shapes, dtypes and strides on a `ControllerMesh` that holds every device of the job. spmd's own
+engine runs each op on the shadows (layouts, shapes, collectives decided here, with no data and no round trip),
+and the session ships the op to the workers, where the same engine runs it on the real components.
+
+While the engine runs on shadows (`shadow()`), a controller mesh's torch device is `meta`; outside it, `cpu`:
+code that builds components from data (factories, `copy_to_mesh`, `pack`) builds real ones, which
+`DTensor.__new__` hands to the mesh's session (`mesh.remote.adopt`) to send to the workers.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+from spmd.dtensor import DTensor
+from spmd.mesh import Mesh
+
+_SHADOW = [0]  # > 0 while spmd's engine runs on metadata shadows
+_META, _CPU = torch.device("meta"), torch.device("cpu")
+
+
+@contextmanager
+def shadow():
+    _SHADOW[0] += 1
+    try:
+        yield
+    finally:
+        _SHADOW[0] -= 1
+
+
+class ControllerMesh(Mesh):
+    """A mesh of a single-controller job: every device is local to the controller's engine (which sees their
+    shadows), and each device's name says which worker holds it (`/job:worker/replica:0/task:<w>/device:CPU:<i>`).
+    """
+
+    __slots__ = ("_session", "mesh_id", "dims")
+
+    def __init__(self, session, mesh_id: int, dims: list, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._session, self.mesh_id, self.dims = session, mesh_id, dims
+
+    @property
+    def torch_device(self) -> torch.device:
+        return _META if _SHADOW[0] else _CPU
+
+    @property
+    def remote(self):
+        """The session that holds this mesh's components (None while the engine runs on shadows)."""
+        return None if _SHADOW[0] else self._session
+
+
+class RemoteDTensor(DTensor):
+    """A DTensor of a controller mesh: `_stack` is its shadow, `_handle` names the real one on the workers."""
+
+    _handle: int
+    _session: object
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        return _session_of(args).run_op(func, args, kwargs or {})
+
+    @property
+    def _local(self) -> torch.Tensor:
+        """The engine (on shadows) reads the shadow; anyone else reads the real components, fetched."""
+        if _SHADOW[0]:
+            return DTensor._local.fget(self)
+        return self._session.fetch_stack(self)
+
+    def __deepcopy__(self, memo):
+        with torch.no_grad():
+            copy = self.clone()
+        copy.requires_grad_(self.requires_grad)
+        memo[id(self)] = copy
+        return copy
+
+
+_REMOTE_CLASSES: dict = {DTensor: RemoteDTensor}
+
+
+def remote_class(cls: type) -> type:
+    """The remote version of a DTensor class (`DVariable` -> a class that is both a DVariable and remote)."""
+    if issubclass(cls, RemoteDTensor):
+        return cls
+    if cls not in _REMOTE_CLASSES:
+        _REMOTE_CLASSES[cls] = type(f"Remote{cls.__name__}", (RemoteDTensor, cls), {"__init__": lambda *a, **k: None})
+    return _REMOTE_CLASSES[cls]
+
+
+def _session_of(args):
+    for a in args:
+        if isinstance(a, RemoteDTensor):
+            return a._session
+        if type(a) is list or type(a) is tuple:
+            for b in a:
+                if isinstance(b, RemoteDTensor):
+                    return b._session
+    raise TypeError("a controller DTensor op without a controller DTensor argument")

@@ -1,0 +1,198 @@
+"""The session: what the controller keeps about its workers' DTensors, and how data and ops reach them.
+
+- An op on controller DTensors runs spmd's engine on the shadows, gives each new output a handle, and is sent to
+  every worker without waiting (the same engine runs it there on the real components).
+- Real components built on the controller (`copy_to_mesh`, factories, `pack`) are adopted: each worker gets the
+  rows of its own devices (a replicated value travels once per worker), and the controller keeps a shadow.
+- Reads (`_local`, `.item()`) flush and gather; a worker's stored failure is raised there as `WorkerError`.
+- A dropped controller DTensor frees its handle on the workers with the next message.
+"""
+
+from __future__ import annotations
+
+import pickle
+import weakref
+
+import torch
+
+from spmd.controller import protocol
+from spmd.controller.errors import ControllerError, WorkerDiedError, WorkerError
+from spmd.controller.remote import ControllerMesh, RemoteDTensor, remote_class, shadow
+from spmd.dtensor import DTensor
+from spmd.engine import dispatch
+from spmd.layout import Layout
+from spmd.ops import parse_layout
+
+_RELAYOUT = torch.ops.spmd.relayout.default
+_READS: dict = {}  # op -> whether it returns Python values (it reads the components: `.item()`, `equal`)
+
+
+class Session:
+    def __init__(self, engine, devices_per_worker: int, timeout: float):
+        self.engine = engine
+        self.devices_per_worker = devices_per_worker
+        self.timeout = timeout
+        self.closed = False
+        self._next_handle = 0
+        self._freed: list[int] = []
+        self._refs: dict[int, weakref.ref] = {}
+        self._meshes: dict[str, ControllerMesh] = {}
+
+    # -- sending ----------------------------------------------------------------------------------------------
+    def send(self, *instructions: tuple) -> None:
+        """`instructions` to every worker (with the handles freed since the last message)."""
+        self._check_open()
+        freed, self._freed = self._freed, []
+        self.engine.send_all(pickle.dumps((freed, list(instructions)), protocol=pickle.HIGHEST_PROTOCOL))
+
+    def send_each(self, instructions: list[tuple]) -> None:
+        self._check_open()
+        freed, self._freed = self._freed, []
+        self.engine.send_each([pickle.dumps((freed, [i]), protocol=pickle.HIGHEST_PROTOCOL) for i in instructions])
+
+    def call(self, name: str, *args) -> list:
+        """`name(*args)` on every worker after everything sent so far; their results by rank."""
+        self._check_open()
+        if self._freed:
+            self.send()  # (carries the frees)
+        try:
+            replies = self.engine.call_all(pickle.dumps((name, self.encode(args))), self.timeout)
+        except (WorkerDiedError, TimeoutError) as e:
+            self.on_failure()
+            if isinstance(e, WorkerDiedError):
+                raise
+            raise WorkerDiedError(f"the workers did not answer within {self.timeout:.0f} s (the collective "
+                                  "timeout and a margin); the controller shut them down") from e
+        errors = [(rank, r[1]) for rank, r in enumerate(replies) if r[0] == "error"]
+        if errors:
+            raise WorkerError("; ".join(f"worker {rank}: {message}" for rank, message in errors))
+        return [r[1] for r in replies]
+
+    def on_failure(self) -> None:
+        """Overridden by the controller: shut everything down."""
+        self.closed = True
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise ControllerError("this controller is shut down: its workers and their DTensors are gone")
+
+    # -- references -------------------------------------------------------------------------------------------
+    def register_mesh(self, mesh: ControllerMesh) -> None:
+        self._meshes[mesh.to_string()] = mesh
+        self.send((protocol.MESH, mesh.mesh_id, mesh.dims, mesh.name))
+
+    def refs(self, value):
+        if isinstance(value, RemoteDTensor):
+            return protocol.Handle(value._handle)
+        if isinstance(value, Layout) and isinstance(value.mesh, ControllerMesh):
+            return protocol.LayoutRef(value.mesh.mesh_id, tuple(value.sharding_specs))
+        if isinstance(value, ControllerMesh):
+            return protocol.MeshRef(value.mesh_id)
+        if isinstance(value, DTensor):
+            raise ControllerError("a DTensor of this process's mesh was mixed with controller DTensors; move it "
+                                  "with spmd.relayout(t, layout_on_the_controller_mesh)")
+        if isinstance(value, torch.Tensor) and value.is_meta:
+            raise ControllerError("a plain meta tensor (a controller DTensor's .device is 'meta') cannot go to the "
+                                  "workers: create plain tensors on 'cpu'")
+        return None
+
+    def encode(self, value):
+        return protocol.encode(value, self.refs)
+
+    def _new_handle(self, t: RemoteDTensor) -> int:
+        h = self._next_handle
+        self._next_handle += 1
+        t._handle, t._session = h, self
+        self._refs[h] = weakref.ref(t, lambda _, h=h: self._dropped(h))
+        return h
+
+    def _dropped(self, handle: int) -> None:
+        self._refs.pop(handle, None)
+        self._freed.append(handle)
+
+    # -- ops --------------------------------------------------------------------------------------------------
+    def run_op(self, func, args, kwargs):
+        self._check_open()
+        reads = _READS.get(func)
+        if reads is None:
+            reads = _READS[func] = any(str(r.type) not in ("Tensor", "Tensor[]", "Tensor?") for r in
+                                       func._schema.returns) and bool(func._schema.returns)
+        if reads:
+            return self._read(func, args, kwargs)
+        with shadow():
+            out = dispatch.dispatch(func, args, kwargs)
+            handles = self._adopt_outputs(out, args, kwargs)
+        if func is _RELAYOUT:  # its layout string names the controller mesh: the workers' own layout instead
+            layout = parse_layout(args[1])
+            args = (args[0], protocol.LayoutString(self._mesh_of(layout).mesh_id, tuple(layout.sharding_specs)))
+        self.send((protocol.OP, protocol.op_name(func), self.encode(args), self.encode(kwargs), handles))
+        return out
+
+    def _adopt_outputs(self, out, args, kwargs) -> list:
+        inputs = {id(t) for t in _leaves((args, kwargs))}
+        handles = []
+        for t in _leaves(out):
+            if id(t) in inputs:
+                handles.append(None)  # an in-place op's target: the workers' op returns the same tensor
+            else:
+                t.__class__ = remote_class(type(t))
+                handles.append(self._new_handle(t))
+        return handles
+
+    def _read(self, func, args, kwargs):
+        """An op that returns Python values: run by every worker (it may resolve a pending reduction, a
+        collective), the value of worker 0."""
+        for t in _leaves((args, kwargs)):
+            if t._pending:
+                with shadow():
+                    dispatch.resolve(t)  # as the workers do, so the shadow keeps their state
+        return self.call("item", protocol.op_name(func), args, kwargs)[0]
+
+    def _mesh_of(self, layout: Layout) -> ControllerMesh:
+        mesh = self._meshes.get(layout.mesh.to_string())
+        if mesh is None:
+            raise ControllerError(f"{layout.mesh!r} is not a mesh of this controller")
+        return mesh
+
+    # -- data in and out --------------------------------------------------------------------------------------
+    def adopt(self, t: DTensor) -> RemoteDTensor:
+        """Sends the real components of `t` (built on the controller) to the workers; returns its remote twin."""
+        stack = t._stack
+        if stack.is_meta:
+            raise ControllerError("a DTensor of a controller mesh was built from shadow components outside the "
+                                  "engine; spmd.controller supports the public API (ops, relayout, copy_to_mesh, "
+                                  "factories, pack/unpack)")
+        with shadow():
+            twin = DTensor.__new__(remote_class(type(t)), torch.empty_strided(stack.shape, stack.stride(),
+                                   dtype=stack.dtype, device="meta"), t._layout, t.shape, t.requires_grad,
+                                   t._pending, t._pending_op)
+        h = self._new_handle(twin)
+        ref = self.refs(t._layout)
+        if t._layout.is_fully_replicated() and not t._pending:  # one copy per worker, expanded there
+            self.send((protocol.PUT, h, ref, stack[0].detach().contiguous(), True))
+        else:
+            n = self.devices_per_worker
+            rows = stack.detach().split(n)
+            self.send_each([(protocol.PUT, h, ref, r.contiguous(), False) for r in rows])
+        return twin
+
+    def fetch_stack(self, t: RemoteDTensor) -> torch.Tensor:
+        """The real stacked components of every device (resolved), gathered from the workers."""
+        if t._pending:
+            with shadow():
+                dispatch.resolve(t)
+        return torch.cat(self.call("stack", t))
+
+    def sync(self) -> None:
+        """Waits until the workers ran everything sent so far; raises a stored worker failure."""
+        self.call("info")
+
+
+def _leaves(value) -> list:
+    if isinstance(value, DTensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _leaves(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _leaves(v)]
+    return []

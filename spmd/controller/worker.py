@@ -1,0 +1,115 @@
+"""A worker of a single-controller job: one multi-client spmd process that executes the controller's instructions.
+
+On start it joins the other workers exactly as a multi-client program does (`initialize_accelerator_system`
+with torchrun's variables), so collectives run worker to worker over `torch.distributed`. It keeps a table
+handle -> DTensor and runs the instructions in the order they arrive. The first failure is kept and reported
+at the next `call` (the controller's next read), naming the op; instructions after it are skipped, since their
+inputs may be missing.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import traceback
+
+import torch
+
+from spmd import api, runtime
+from spmd.controller import protocol
+from spmd.dtensor import DTensor, make
+from spmd.engine import dispatch
+
+
+class WorkerState:
+    """What one worker process holds; the engines' actors forward their messages to it."""
+
+    def __init__(self, rank: int, num_workers: int, devices_per_worker: int, device_type: str, master_port: int,
+                 collective_timeout: float, master_addr: str = "127.0.0.1"):
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(num_workers), LOCAL_RANK=str(rank),
+                          MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // num_workers))
+        runtime.initialize_accelerator_system(device_type, num_logical_cpu_devices=devices_per_worker,
+                                              collective_timeout=collective_timeout)
+        self.rank = rank
+        self.table: dict[int, DTensor] = {}
+        self.meshes: dict = {}
+        self.device = None
+        self.error: str | None = None
+
+    # -- fire-and-forget instructions -----------------------------------------------------------------------------
+    def run(self, payload: bytes) -> None:
+        freed, instructions = pickle.loads(payload)
+        for h in freed:
+            self.table.pop(h, None)
+        if self.error is not None:
+            return
+        for instruction in instructions:
+            try:
+                _RUN[instruction[0]](self, *instruction[1:])
+            except Exception as e:  # noqa: BLE001 - kept for the controller's next read
+                self.error = _describe(instruction, e)
+                return
+
+    def _op(self, name, args, kwargs, out_handles) -> None:
+        func = protocol.resolve_op(name)
+        args = protocol.decode(args, self.table, self.meshes, self.device)
+        kwargs = protocol.decode(kwargs, self.table, self.meshes, self.device)
+        out = dispatch.dispatch(func, args, kwargs)
+        if out_handles:
+            for h, t in zip(out_handles, _dtensors(out)):
+                if h is not None:
+                    self.table[h] = t
+
+    def _put(self, handle, layout_ref, value, is_global) -> None:
+        layout = protocol.decode(layout_ref, self.table, self.meshes, self.device)
+        if is_global:  # a replicated value: each local device keeps a copy
+            self.table[handle] = api.copy_to_mesh(value, layout)
+        else:  # this worker's rows of the stacked components
+            self.table[handle] = make(value.to(self.device), layout)
+
+    def _mesh(self, mesh_id, dims, name) -> None:
+        mesh = runtime.create_distributed_mesh(dims, name)
+        self.meshes[mesh_id] = mesh
+        self.device = mesh.torch_device
+
+    # -- calls with a result ------------------------------------------------------------------------------------
+    def call(self, payload: bytes):
+        """Runs a read after the pending instructions; returns ("ok", value) or ("error", message)."""
+        if self.error is not None:
+            error, self.error = self.error, None
+            return "error", error
+        name, args = pickle.loads(payload)
+        try:
+            return "ok", _CALLS[name](self, *protocol.decode(args, self.table, self.meshes, self.device))
+        except Exception as e:  # noqa: BLE001 - sent to the controller
+            return "error", _describe((protocol.CALL, name), e)
+
+    def _stack(self, t: DTensor) -> torch.Tensor:
+        return t._local.detach().cpu()
+
+    def _item(self, name, args, kwargs):
+        return dispatch.dispatch(protocol.resolve_op(name), args, kwargs)
+
+    def _info(self) -> dict:
+        return {"rank": self.rank, "pid": os.getpid(), "handles": len(self.table)}
+
+
+_RUN = {protocol.OP: WorkerState._op, protocol.PUT: WorkerState._put, protocol.MESH: WorkerState._mesh}
+_CALLS = {"stack": WorkerState._stack, "item": WorkerState._item, "info": WorkerState._info}
+
+
+def _dtensors(out) -> list:
+    if isinstance(out, DTensor):
+        return [out]
+    if isinstance(out, (list, tuple)):
+        return [t for o in out for t in _dtensors(o)]
+    return []
+
+
+def _describe(instruction, error: Exception) -> str:
+    what = instruction[1] if instruction[0] in (protocol.OP, protocol.CALL) else instruction[0]
+    last = traceback.extract_tb(error.__traceback__)[-1]
+    return f"{what} failed on the worker: {type(error).__name__}: {error} (at {os.path.basename(last.filename)}:" \
+           f"{last.lineno})"
+

@@ -1,0 +1,249 @@
+"""One tensor axis sharded over several mesh dims (`Layout(["x+y", ...])`, JAX's `P(("x", "y"))`): the layout,
+relayouts with their exact collectives, ops against plain torch, and the modules that read layouts."""
+
+from __future__ import annotations
+
+import itertools
+import pickle
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import spmd
+from spmd import MATCH, UNSHARDED as U, Layout, LayoutError
+from spmd.explain import Recorder
+from spmd.random import stateless_uniform
+from spmd.visualize import sharding_table
+from sweep import all_layouts, check_op, check_replicas, rand
+from test_relayout import check_components, expected_components, sweep_relayout
+
+MESH = spmd.create_mesh([("x", 2), ("y", 2)])
+MESH3 = spmd.create_mesh([("a", 2), ("b", 2), ("c", 2)])
+XY, YX = Layout([("x", "y"), U], MESH), Layout([("y", "x"), U], MESH)
+
+
+# -- the layout --------------------------------------------------------------------------------------------------------
+def test_spec_forms_strings_and_values():
+    assert Layout(["x+y", U], MESH) == XY == Layout([["x", "y"], U], MESH) == Layout.from_axes((("x", "y"), None), MESH)
+    assert XY.sharding_specs == ["x+y", U] and XY.axes == (("x", "y"), None) and XY.multi_axis
+    assert XY.outer_axes == ("x", None) and XY.sharded_mesh_dims == ("x", "y")
+    assert XY.to_string().startswith("sharding_specs:x+y,unsharded, mesh:|x=2,y=2|")
+    assert Layout.from_string(XY.to_string()) == XY and pickle.loads(pickle.dumps(XY)) == XY
+    assert XY != YX and hash(XY) == hash(Layout(["x+y", U], MESH))
+    # a tuple of one is that mesh dim; an ordinary layout is unchanged
+    single = Layout([("x",), "y"], MESH)
+    assert single == Layout(["x", "y"], MESH) and single.axes == ("x", "y") and not single.multi_axis
+    assert single.to_string() == "sharding_specs:x,y, mesh:" + MESH.to_string()
+    assert single.outer_axes is single.axes
+
+
+def test_shapes_blocks_and_replicas():
+    layout = Layout([("b", "a"), "c"], MESH3)
+    assert layout.num_shards_per_axis() == [4, 2]
+    assert layout.local_shape_from_global_shape((8, 6)) == (2, 3)
+    assert layout.global_shape_from_local_shape((2, 3)) == (8, 6)
+    # block index row-major over (b, a): b major
+    assert layout.offset_to_shard() == [((b * 2 + a), c) for a, b, c in itertools.product(range(2), repeat=3)]
+    partial = Layout([("c", "a"), U], MESH3)  # replicated over b
+    assert [partial.is_first_replica(MESH3.device_location(i)) for i in range(8)] == \
+        [b == 0 for a, b, c in itertools.product(range(2), repeat=3)]
+    assert partial.delete(1) == Layout(["c+a"], MESH3)
+    layout.check_divisible((8, 6))
+    with pytest.raises(spmd.IndivisibleError, match=r"size 6, which does not divide by the 4 shards of mesh dimensions 'b\+a'"):
+        Layout(["b+a", U], MESH3).check_divisible((6, 2))
+
+
+@pytest.mark.parametrize("specs, words", [
+    ([("x", "y"), "x"], "Mesh dimension x was repeated"),
+    (["x+x", U], "Mesh dimension x was repeated"),
+    (["x+z", U], r"z: A dimension sharding must .* \(in the multi-axis spec 'x\+z'\)"),
+    ([("x", MATCH), U], "match: A dimension sharding"),
+    ([("x", 1), U], "sharding_specs must be a list of strings"),
+])
+def test_layout_errors(specs, words):
+    with pytest.raises(LayoutError, match=words):
+        Layout(specs, MESH)
+
+
+def test_plus_is_not_a_mesh_dim_character():
+    with pytest.raises(LayoutError, match=r"mesh dimension name 'x\+y' is not allowed"):
+        spmd.create_mesh([("x+y", 2)])
+
+
+# -- relayout ----------------------------------------------------------------------------------------------------------
+def test_every_pair_with_multi_axis_layouts_2x2():
+    """values, every device's component and gradients, between all 11 layouts of a (4, 4) tensor on 2x2"""
+    assert sweep_relayout(MESH, (4, 4), grad=True, multi=True) == 11 ** 2
+
+
+def test_every_pair_with_multi_axis_layouts_2x2x2():
+    assert sweep_relayout(MESH3, (8, 8), grad=False, multi=True) == 49 ** 2
+
+
+def _kinds(fn):
+    with Recorder() as explanation:
+        out = fn()
+    return out, [(str(c.kind), c.mesh_dims) for c in explanation.collectives]
+
+
+@pytest.mark.parametrize("src, dst, expected", [
+    ([("x", "y"), U], ["x", U], [("all_gather", ("y",))]),
+    (["x", U], [("x", "y"), U], []),  # a local slice
+    ([U, U], [("x", "y"), U], []),
+    ([("x", "y"), U], [("y", "x"), U], [("permute", ("y", "x"))]),
+    ([("x", "y"), U], ["y", U], [("permute", ("y", "x")), ("all_gather", ("x",))]),
+    ([("x", "y"), U], [U, ("x", "y")], [("all_gather", ("y",)), ("all_to_all", ("x",))]),
+    ([("x", "y"), U], [U, ("y", "x")], [("all_to_all", ("y",)), ("all_to_all", ("x",))]),
+    (["x", "y"], [("x", "y"), U], [("all_to_all", ("y",))]),
+    ([("x", "y"), U], ["x", "y"], [("all_to_all", ("y",))]),
+])
+def test_fewest_collectives(src, dst, expected):
+    x = rand(8, 8)
+    t = spmd.copy_to_mesh(x, Layout(src, MESH))
+    out, kinds = _kinds(lambda: spmd.relayout(t, Layout(dst, MESH)))
+    assert kinds == expected
+    check_components(out, x)
+
+
+def _close_components(t, x):
+    for got, want in zip(spmd.unpack(t), expected_components(x, spmd.fetch_layout(t))):
+        torch.testing.assert_close(got, want)
+
+
+def test_pending_sums_reduce_scatter_into_a_multi_axis_shard():
+    a, b = rand(8, 8), rand(8, 8, seed=1)
+    da, db = spmd.copy_to_mesh(a, Layout([U, ("x", "y")], MESH)), spmd.copy_to_mesh(b, XY)
+    product = da @ db  # a contraction over the (x, y)-sharded axis: pending over both
+    assert product._pending == ("x", "y")
+    out, kinds = _kinds(lambda: spmd.relayout(product, XY))
+    assert kinds == [("reduce_scatter", ("x",)), ("reduce_scatter", ("y",))]
+    _close_components(out, a @ b)
+    # pending over y only: x is sliced locally, y reduce-scattered
+    da, db = spmd.copy_to_mesh(a, Layout([U, "y"], MESH)), spmd.copy_to_mesh(b, Layout(["y", U], MESH))
+    out, kinds = _kinds(lambda: spmd.relayout(da @ db, XY))
+    assert kinds == [("reduce_scatter", ("y",))]
+    _close_components(out, a @ b)
+
+
+def test_pack_unpack_copy_to_mesh_and_other_meshes():
+    x = rand(8, 4)
+    comps = [x[i * 2:(i + 1) * 2] for i in range(4)]
+    t = spmd.pack(comps, XY)
+    assert torch.equal(spmd.to_global(t), x)
+    assert all(torch.equal(a, b) for a, b in zip(spmd.unpack(t), comps))
+    y = spmd.copy_to_mesh(x, YX)  # device (x, y) holds block y * 2 + x
+    assert torch.equal(spmd.unpack(y)[1], x[4:6]) and torch.equal(spmd.unpack(y)[2], x[2:4])
+    other = spmd.create_mesh([("p", 2), ("q", 2)], devices=[f"CPU:{i}" for i in range(4, 8)])
+    moved = spmd.relayout(t, Layout([("q", "p"), U], other))
+    check_components(moved, x)
+    back = spmd.relayout(moved, Layout([MATCH, U], other))
+    assert spmd.fetch_layout(back) == Layout(["q+p", U], other)
+    assert torch.equal(spmd.to_global(spmd.copy_to_mesh(moved, XY)), x)
+
+
+# -- ops ---------------------------------------------------------------------------------------------------------------
+def _multi(*shapes, mesh=MESH):
+    """Per input: the layouts of its shape with some axis sharded over several mesh dims, and replicated."""
+    return [[l for l in all_layouts(mesh, s, multi=True) if l.multi_axis] + [Layout.replicated(mesh, len(s))]
+            for s in shapes]
+
+
+@pytest.mark.parametrize("name, fn, inputs", [
+    ("matmul", torch.matmul, [rand(8, 4), rand(4, 8)]),
+    ("sum0", lambda a: a.sum(0), [rand(8, 4)]),
+    ("sum1", lambda a: a.sum(1), [rand(8, 4)]),
+    ("mean", torch.mean, [rand(8, 4)]),
+    ("softmax", lambda a: torch.softmax(a, -1), [rand(8, 4)]),
+    ("softmax0", lambda a: torch.softmax(a, 0), [rand(8, 4)]),
+    ("reshape", lambda a: a.reshape(4, 8), [rand(8, 4)]),
+    ("view3", lambda a: a.view(2, 4, 4), [rand(8, 4)]),
+    ("transpose", lambda a: a.t() * 2, [rand(8, 4)]),
+    ("cat", lambda a, b: torch.cat([a, b], 0), [rand(8, 4), rand(8, 4)]),
+    ("index", lambda a: a[1:5, 2], [rand(8, 4)]),
+    ("gather_rows", lambda a: a[torch.tensor([0, 5, 7])], [rand(8, 4)]),
+    ("add_bias", lambda a, b: a + b, [rand(8, 4), rand(4)]),
+    ("layer_norm", lambda a, w: F.layer_norm(a, (4,), w), [rand(8, 4), rand(4)]),
+    ("cross_entropy", lambda a: F.cross_entropy(a, torch.tensor([0, 1, 2, 3, 0, 1, 2, 3])), [rand(8, 4)]),
+])
+def test_ops_match_torch(name, fn, inputs):
+    shapes = [t.shape for t in inputs]
+    with spmd.implicit_replication():
+        assert check_op(fn, inputs, layouts=_multi(*shapes)) > 1
+
+
+def test_pointwise_and_sums_run_on_the_blocks_as_they_are():
+    a, b = rand(8, 4), rand(8, 4, seed=1)
+    da, db = spmd.copy_to_mesh(a, XY), spmd.copy_to_mesh(b, XY)
+    out, kinds = _kinds(lambda: torch.relu(da * db + 1))
+    assert kinds == [] and spmd.fetch_layout(out) == XY
+    out, kinds = _kinds(lambda: da.sum(0))
+    assert kinds == [] and out._pending == ("x", "y")
+    torch.testing.assert_close(spmd.to_global(out), a.sum(0))
+    # an op without a multi-axis rule sees the outer dim: y is gathered first
+    out, kinds = _kinds(lambda: torch.cumsum(da, 1))
+    assert kinds == [("all_gather", ("y",))] and spmd.fetch_layout(out) == Layout(["x", U], MESH)
+    torch.testing.assert_close(spmd.to_global(out), torch.cumsum(a, 1))
+
+
+def test_linear_forward_backward_and_adamw_step():
+    torch.manual_seed(0)
+    plain = torch.nn.Linear(4, 8, dtype=torch.float64)
+    model = torch.nn.Linear(4, 8, dtype=torch.float64)
+    model.load_state_dict(plain.state_dict())
+    spmd.distribute_module(model, MESH, spmd.LayoutMap({"weight": [("x", "y"), U], "bias": ["y+x"]}))
+    assert spmd.fetch_layout(model.weight) == XY and spmd.fetch_layout(model.bias).sharding_specs == ["y+x"]
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=0.1) for m in (model, plain))
+    x = rand(8, 4)
+    dx = spmd.copy_to_mesh(x, Layout([("y", "x"), U], MESH)).requires_grad_()
+    for _ in range(2):
+        for o in (opt, ref_opt):
+            o.zero_grad()
+        (model(dx) ** 2).sum().backward()
+        (plain(x) ** 2).sum().backward()
+        assert spmd.fetch_layout(model.weight.grad) == XY
+        torch.testing.assert_close(spmd.to_global(model.weight.grad), plain.weight.grad)
+        opt.step()
+        ref_opt.step()
+    torch.testing.assert_close(spmd.to_global(model.weight), plain.weight)
+    torch.testing.assert_close(spmd.to_global(model.bias), plain.bias)
+    assert spmd.fetch_layout(dx.grad) == Layout(["y+x", U], MESH)
+    check_replicas(model.weight)
+
+
+# -- modules that read layouts -----------------------------------------------------------------------------------------
+def test_checkpoint_between_multi_axis_and_other_layouts(tmp_path):
+    x = rand(8, 8)
+    spmd.checkpoint.save({"w": spmd.copy_to_mesh(x, Layout([("y", "x"), U], MESH))}, tmp_path / "a")
+    for layout in (XY, Layout(["x", "y"], MESH), Layout([U, ("c", "a")], MESH3)):
+        target = {"w": spmd.copy_to_mesh(torch.zeros(8, 8, dtype=torch.float64), layout)}
+        spmd.checkpoint.load(target, tmp_path / "a")
+        check_components(target["w"], x)
+    spmd.checkpoint.save({"w": spmd.copy_to_mesh(x, Layout(["y", "x"], MESH))}, tmp_path / "b")
+    target = {"w": spmd.copy_to_mesh(torch.zeros(8, 8, dtype=torch.float64), Layout([("c", "b", "a"), U], MESH3))}
+    spmd.checkpoint.load(target, tmp_path / "b")
+    check_components(target["w"], x)
+
+
+def test_random_values_do_not_depend_on_the_layout():
+    layouts = [Layout.replicated(MESH3, 2), Layout([("a", "b"), "c"], MESH3), Layout(["c", ("b", "a")], MESH3),
+               Layout([("c", "b", "a"), U], MESH3)]
+    values = [spmd.to_global(stateless_uniform((8, 8), seed=(1, 2), layout=l)) for l in layouts]
+    for v in values[1:]:
+        assert torch.equal(v, values[0])
+    torch.manual_seed(3)
+    a = spmd.to_global(torch.nn.init.normal_(spmd.copy_to_mesh(torch.zeros(8, 8), layouts[1])))
+    torch.manual_seed(3)
+    b = spmd.to_global(torch.nn.init.normal_(spmd.copy_to_mesh(torch.zeros(8, 8), layouts[3])))
+    assert torch.equal(a, b)
+
+
+def test_shards_variable_and_visualize():
+    layout = Layout([("c", "a"), U], MESH3)
+    blocks = spmd.shards.local_blocks(layout, (8, 2))
+    assert [(b.offsets, b.positions) for b in blocks][:2] == [((0, 0), (0, 2)), ((4, 0), (1, 3))]
+    v = spmd.DVariable(spmd.copy_to_mesh(rand(8, 2), layout))
+    v.assign(v * 2)
+    assert spmd.fetch_layout(v) == layout
+    table = sharding_table(spmd.copy_to_mesh(rand(8, 2), layout))
+    assert table.row_count == 4 and len(table.columns) == 1  # 4 blocks along axis 0, one along axis 1
