@@ -8,7 +8,6 @@ dimension its layout does not name.
 
 from __future__ import annotations
 
-import math
 from typing import Sequence
 
 from spmd import jax_sharding, torch_placements

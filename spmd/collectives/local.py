@@ -86,7 +86,7 @@ class InProcessCollectives(Collectives):
     def permute(self, x, mesh, from_dims, to_dims):
         # index the group's devices row-major over `from_dims`; the same flat index read over `to_dims` is where
         # each component goes: two reshapes of the grid, no index tensor
-        grid, nm = _grid(x, mesh), len(mesh.shape())
+        grid = _grid(x, mesh)
         src = [mesh.axis_index(d) for d in from_dims]
         dst = [mesh.axis_index(d) for d in to_dims]
         moved = grid.movedim(src, list(range(len(src))))

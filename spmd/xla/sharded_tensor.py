@@ -74,13 +74,13 @@ class XLAShardedTensor(DTensor):
     def local_shards(self) -> list[XLAShard]:
         """The shards of this process's devices, in mesh order."""
         layout, mesh = self._layout, self._layout.mesh
-        base, ids = mesh.min_global_device_id(), device_ids_of(mesh).tolist()
+        base = mesh.min_global_device_id()
         shards = []
         for component, device_id, name in zip(self._local.detach().unbind(0), mesh.local_device_ids(),
                                               mesh.local_devices()):
             location = mesh.device_location(device_id - base)
             shards.append(XLAShard(component, self._indices(location), _replica_id(layout, location),
-                                   f"{name.rsplit('/device:', 1)[-1]}"))
+                                   name.rsplit('/device:', 1)[-1]))
         return shards
 
     @property
