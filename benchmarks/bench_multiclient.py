@@ -4,7 +4,8 @@
 (a) relayout throughput on a 1-D mesh of 2 clients x 1 device: all-gather (S0->R), all-to-all (S0->S1),
     reduce-scatter (pending sum -> S0), all-reduce (pending sum -> R), for N x N fp32.
 (b) a data-parallel training step of benchmarks/bench_mlp.py's residual MLP (per-rank batch 32): spmd (mesh
-    batch=2, replicated DVariables, data sharded on batch) vs DDP vs torch DT (Replicate params, Shard(0) data).
+    batch=2, `distribute_module` with its gradient buckets, data sharded on batch), spmd without buckets
+    (`bucket_cap_mb=0`: each gradient all-reduced when read) vs DDP vs torch DT (Replicate params, Shard(0) data).
 
 usage: python benchmarks/bench_multiclient.py [--quick] [--sizes 64 512 2048] [--reps R] [--steps N] [--out DIR]
        python benchmarks/bench_multiclient.py --readme-only   # README.md's table from results/multiclient.json
@@ -149,7 +150,7 @@ def _mlp_step_variants(args, rank, mesh, dmesh):
     from torch.nn.parallel import DistributedDataParallel as DDP
     import spmd
     from spmd import UNSHARDED as U, Layout
-    from benchmarks.bench_mlp import Net, make_opt, to_spmd
+    from benchmarks.bench_mlp import Net, make_opt
     import copy
     d, h, L, b = QUICK_MLP if args.quick else MLP
     torch.manual_seed(0)
@@ -159,10 +160,11 @@ def _mlp_step_variants(args, rank, mesh, dmesh):
     xl, yl = x[rank * b:(rank + 1) * b], y[rank * b:(rank + 1) * b]
     variants = {}
     for opt_name in ("sgd", "adamw"):
-        net = to_spmd(copy.deepcopy(base), mesh, None)
         data = Layout(["batch", U], mesh)
         sx, sy = spmd.copy_to_mesh(x, data), spmd.copy_to_mesh(y, data)
-        variants[f"spmd/{opt_name}"] = (net, make_opt(opt_name, net.parameters()), sx, sy)
+        for name, cap in (("spmd", 25), ("spmd_nb", 0)):  # DDP's default bucket size; no buckets
+            net = spmd.distribute_module(copy.deepcopy(base), mesh, bucket_cap_mb=cap)
+            variants[f"{name}/{opt_name}"] = (net, make_opt(opt_name, net.parameters()), sx, sy)
         ddp = DDP(copy.deepcopy(base))
         variants[f"ddp/{opt_name}"] = (ddp, make_opt(opt_name, ddp.parameters()), xl, yl)
         dt = distribute_module(copy.deepcopy(base), dmesh)  # every parameter Replicate()
@@ -295,11 +297,15 @@ def readme_table(data: dict) -> str:
             rows.append([KIND_LABEL[k], f"{us(raw)} ({RAW_CALL[k]})", us(s), us(dt), ratio(s, raw), ratio(s, dt)])
     if "mlp" in data:
         m = data["mlp"]
-        s, ddp, dt = ([m["results"].get(f"{v}/{o}", {}).get("median") for o in ("sgd", "adamw")]
-                      for v in ("spmd", "ddp", "dt"))
+        s, nb, ddp, dt = ([m["results"].get(f"{v}/{o}", {}).get("median") for o in ("sgd", "adamw")]
+                          for v in ("spmd", "spmd_nb", "ddp", "dt"))
         rows.append([f"data-parallel MLP step D={m['config'][0]} H={m['config'][1]} (ms), SGD / AdamW",
                      "DDP " + slash(map(fmt, ddp)), slash(map(fmt, s)), slash(map(fmt, dt)),
                      slash(map(ratio, s, ddp)) + " of DDP", slash(map(ratio, s, dt))])
+        if any(nb):
+            rows.append(["the same step, spmd without gradient buckets (`bucket_cap_mb=0`)", "DDP " +
+                         slash(map(fmt, ddp)), slash(map(fmt, nb)), slash(map(fmt, dt)),
+                         slash(map(ratio, nb, ddp)) + " of DDP", slash(map(ratio, nb, dt))])
     hdr = ["", "raw `torch.distributed`", "spmd", "torch DT", "spmd / raw", "spmd / torch DT"]
     return caption(data) + unit + "\n\n" + md_table(hdr, rows)
 
@@ -341,22 +347,24 @@ def report(data: dict) -> str:
         m = data["mlp"]
         d, h, L, b = m["config"]
         lines += [f"## Data-parallel training step (residual MLP D={d} H={h} L={L}, batch {b} per client, fp32)", "",
-                  "ms per step (median). spmd: mesh batch=2 over the 2 clients, every parameter a replicated "
-                  "DVariable, data sharded on batch; DDP: `DistributedDataParallel` on each client's half; torch DT: "
+                  "ms per step (median). spmd: mesh batch=2 over the 2 clients, `distribute_module` (every "
+                  "parameter a replicated DVariable; gradients reduced in 25 MB buckets during backward, one async "
+                  "all-reduce each), data sharded on batch; spmd no buckets: `bucket_cap_mb=0`; DDP: `DistributedDataParallel` on each client's half; torch DT: "
                   "`distribute_module` (parameters `Replicate()`), data `DTensor.from_local(..., [Shard(0)])`. "
                   "`foreach=False` optimisers, as bench_mlp.py. Loss diff: max |loss − DDP's loss| over the first "
                   "steps (same data, same initial weights).", ""]
         rows = []
         for opt in ("sgd", "adamw"):
             get = lambda v: m["results"].get(f"{v}/{opt}", {}).get("median")  # noqa: E731
-            s, ddp, dt = get("spmd"), get("ddp"), get("dt")
-            errs = [f"{v}: {m['results'][f'{v}/{opt}']['error']}" for v in ("spmd", "ddp", "dt")
+            s, nb, ddp, dt = get("spmd"), get("spmd_nb"), get("ddp"), get("dt")
+            errs = [f"{v}: {m['results'][f'{v}/{opt}']['error']}" for v in ("spmd", "spmd_nb", "ddp", "dt")
                     if "error" in m["results"].get(f"{v}/{opt}", {})]
-            rows.append([opt.upper() if opt == "sgd" else "AdamW", fmt(ddp, 2), fmt(s, 2), fmt(dt, 2), ratio(s, ddp),
-                         ratio(s, dt), f"{m['max_loss_diff_vs_ddp'].get(f'spmd/{opt}', float('nan')):.1e}",
+            rows.append([opt.upper() if opt == "sgd" else "AdamW", fmt(ddp, 2), fmt(s, 2), fmt(nb, 2), fmt(dt, 2),
+                         ratio(s, ddp), ratio(nb, ddp), ratio(s, dt), f"{m['max_loss_diff_vs_ddp'].get(f'spmd/{opt}', float('nan')):.1e}",
                          f"{m['max_loss_diff_vs_ddp'].get(f'dt/{opt}', float('nan')):.1e}"] + (
                              ["; ".join(errs)] if errs else []))
-        lines += [md_table(["optimizer", "DDP ms", "spmd ms", "torch DT ms", "spmd/DDP", "spmd/DT",
+        lines += [md_table(["optimizer", "DDP ms", "spmd ms", "spmd no buckets ms", "torch DT ms", "spmd/DDP",
+                            "no buckets/DDP", "spmd/DT",
                             "spmd loss diff", "DT loss diff"], rows), ""]
     return "\n".join(lines)
 

@@ -22,6 +22,7 @@ from spmd.runtime import (barrier, client_id, create_distributed_mesh, initializ
 from spmd.controller import Controller
 from spmd.function_mode import Function, function
 from spmd.interop import from_jax_array, from_torch_dtensor, to_jax_array, to_torch_dtensor
+from spmd.buckets import no_sync
 from spmd.nn import LayoutMap, Strategy, distribute_module
 from spmd.scope import default_mesh, get_default_mesh, implicit_replication
 from spmd.variable import DVariable
@@ -35,7 +36,7 @@ __all__ = [
     "to_global", "call_with_layout", "default_mesh", "get_default_mesh", "implicit_replication", "zeros", "ones", "empty", "fill", "full",
     "zeros_like", "ones_like", "random", "checkpoint", "cache_stats", "LayoutError", "IndivisibleError", "MeshMismatchError",
     "MixedTensorError", "UnsupportedOpError", "DTensorDataset", "create_dtensor_iterable",
-    "LayoutMap", "distribute_module", "Strategy", "visualize",
+    "LayoutMap", "distribute_module", "Strategy", "no_sync", "visualize",
     "runtime", "initialize_accelerator_system", "shutdown_accelerator_system", "client_id", "num_clients",
     "job_name", "local_devices", "num_local_devices", "num_global_devices", "create_distributed_mesh", "barrier",
     "CollectiveError", "function", "Function", "Explanation", "CollectiveRecord", "TraceError",

@@ -52,6 +52,7 @@ class DTensor(torch.Tensor):
     _pending: tuple = ()
     _pending_op: str = "sum"
     _copied_view = False  # set on outputs of view ops that had to relayout (see engine/dispatch.py)
+    _bucket = None  # the gradient bucket reducing `_pending` across clients, if any (see spmd/buckets.py)
 
     # Ops reach `__torch_dispatch__` directly: no Python-level `__torch_function__` on the hot path.
     __torch_function__ = torch._C._disabled_torch_function_impl
@@ -69,7 +70,8 @@ class DTensor(torch.Tensor):
         out._layout = layout
         if pending:
             out._pending, out._pending_op = pending, pending_op
-            out._key = (layout, tuple(shape), local.dtype, pending, pending_op)
+            # whether autograd's engine made it: view ops pass a gradient's pending sum through (engine/rules/view.py)
+            out._key = (layout, tuple(shape), local.dtype, pending, pending_op, torch._C._current_graph_task_id() >= 0)
         else:
             out._key = (layout, tuple(shape), local.dtype)  # the dispatcher's cache-key part for this tensor
         remote = layout.mesh.remote
@@ -176,7 +178,7 @@ class DTensor(torch.Tensor):
             return memo[id(self)]
         copy = DTensor.__new__(type(self), self._local.detach().clone(), self._layout, self.shape,
                                self.requires_grad)
-        skip = ("_stack", "_layout", "_key", "_pending", "_pending_op", "_grad_layout_hook")
+        skip = ("_stack", "_layout", "_key", "_pending", "_pending_op", "_grad_layout_hook", "_bucket")
         copy.__dict__.update({k: v for k, v in self.__dict__.items() if k not in skip})
         if copy.requires_grad:
             keep_grad_layout(copy)

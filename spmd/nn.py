@@ -24,6 +24,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from spmd.api import copy_to_mesh, relayout
+from spmd.buckets import DEFAULT_BUCKET_CAP_MB, bucket_gradients
 from spmd.creation import empty
 from spmd.data import DTensorDataset
 from spmd.dtensor import DTensor
@@ -200,7 +201,8 @@ def _set(places, value, kind: str) -> None:
 
 
 def distribute_module(module: nn.Module, mesh: Mesh, layout_map=None,
-                      init_fn: Callable[[str, DTensor], Any] | None = None) -> nn.Module:
+                      init_fn: Callable[[str, DTensor], Any] | None = None, *,
+                      bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB) -> nn.Module:
     """Distributes `module` in place: parameters become `DVariable`s, buffers DTensors; returns `module`.
 
     Every parameter takes the layout `layout_map` maps its name to (see `LayoutMap`; a dict works too), or is
@@ -239,6 +241,10 @@ def distribute_module(module: nn.Module, mesh: Mesh, layout_map=None,
         the layout), a tied tensor mapped to two layouts, a meta parameter nothing initialises.
       ValueError (`IndivisibleError`): a sharded axis that does not divide by its number of shards.
       TypeError (`MixedTensorError`, when the module is called): a plain tensor argument of the outermost call.
+
+    On a mesh spanning several clients, gradients whose pending sum crosses clients are reduced during backward
+    in buckets of `bucket_cap_mb` MB, one asynchronous all-reduce each, as DDP does (`spmd.buckets`;
+    `spmd.no_sync(module)` accumulates micro-batches); `bucket_cap_mb=0` reduces each gradient when it is read.
 
     Nothing is modified when a layout is invalid: every layout is checked before the first tensor moves.
     """
@@ -284,6 +290,8 @@ def distribute_module(module: nn.Module, mesh: Mesh, layout_map=None,
                 value = copy_to_mesh(tensor.detach(), layout)
             _set(places, value, "buffer")
     _forwards_on_mesh(module)
+    if not mesh.is_fully_local():
+        bucket_gradients(module, bucket_cap_mb)
 
     if not fresh:
         return module
@@ -454,9 +462,11 @@ class Strategy:
     Args:
       mesh: the `Mesh`. batch_dim: the mesh dimension that shards batches (None: replicated batches).
       layout_map: a `LayoutMap` or dict for `distribute_model` (None: every parameter replicated).
+      bucket_cap_mb: the gradient bucket size of `distribute_model` on a multi-client mesh (0: no buckets).
     """
 
-    def __init__(self, mesh: Mesh, batch_dim: str | None = None, layout_map=None):
+    def __init__(self, mesh: Mesh, batch_dim: str | None = None, layout_map=None, *,
+                 bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB):
         if not isinstance(mesh, Mesh):
             raise LayoutError(f"Strategy expects a spmd.Mesh, got {type(mesh).__name__}")
         if batch_dim is not None and batch_dim not in mesh:
@@ -465,6 +475,7 @@ class Strategy:
         self.mesh = mesh
         self.batch_dim = batch_dim
         self.layout_map = _as_layout_map(layout_map)
+        self.bucket_cap_mb = bucket_cap_mb
 
     def __repr__(self) -> str:
         return f"Strategy(mesh={self.mesh!r}, batch_dim={self.batch_dim!r}, layout_map={self.layout_map!r})"
@@ -476,8 +487,9 @@ class Strategy:
         return Layout.batch_sharded(self.mesh, self.batch_dim, rank)
 
     def distribute_model(self, module: nn.Module, init_fn=None) -> nn.Module:
-        """`distribute_module(module, self.mesh, self.layout_map, init_fn)` (in place; returns `module`)."""
-        return distribute_module(module, self.mesh, self.layout_map, init_fn=init_fn)
+        """`distribute_module(module, self.mesh, self.layout_map, init_fn, bucket_cap_mb=...)` (in place)."""
+        return distribute_module(module, self.mesh, self.layout_map, init_fn=init_fn,
+                                 bucket_cap_mb=self.bucket_cap_mb)
 
     def distribute_batch(self, batch):
         """Copies every plain tensor in `batch` (a tensor, or nested tuples, lists and dicts) onto the mesh with

@@ -5,6 +5,7 @@ Usage: python multiclient_worker.py SCENARIO; the last stdout line is `RESULT <j
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -352,6 +353,93 @@ def multi_mesh():
              "table_grad": (spmd.to_global(table.grad) - ref_table.grad).abs().max().item(),
              "proj_grad": (spmd.to_global(proj.grad) - ref_proj.grad).abs().max().item(),
              "grad_layout": spmd.fetch_layout(table.grad).sharding_specs})
+
+
+class _CountAllReduce:
+    """Counts `torch.distributed.all_reduce` calls (spmd's collectives call it through the module)."""
+
+    def __enter__(self):
+        import torch.distributed as dist
+        self.calls, self._real = [], dist.all_reduce
+
+        def counted(*args, **kwargs):
+            self.calls.append(bool(kwargs.get("async_op")))
+            return self._real(*args, **kwargs)
+        dist.all_reduce = counted
+        return self
+
+    def __exit__(self, *exc):
+        import torch.distributed as dist
+        dist.all_reduce = self._real
+
+
+def _dp_training(mesh, bucket_cap_mb=None, steps=3, micro_batches=1):
+    """A 3-layer MLP (float64) made by `distribute_module`, trained data parallel with SGD + momentum; returns the
+    losses, the final parameters, and per step the all_reduce calls of backward + optimizer step (True: async).
+    With `micro_batches` > 1 each step accumulates the micro-batches' gradients under `spmd.no_sync` but the last."""
+    import torch
+    import spmd
+    from spmd import UNSHARDED as U, Layout
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh(),
+                                torch.nn.Linear(32, 4)).double()
+    x, y = torch.randn(16, 8, dtype=torch.float64), torch.randn(16, 4, dtype=torch.float64)
+    kwargs = {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}
+    spmd.distribute_module(model, mesh, **kwargs)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    data = Layout(["batch", U], mesh)
+    chunks = [(spmd.copy_to_mesh(a, data), spmd.copy_to_mesh(b, data))
+              for a, b in zip(x.chunk(micro_batches), y.chunk(micro_batches))]
+    losses, calls = [], []
+    for _ in range(steps):
+        with _CountAllReduce() as counted:
+            for i, (dx, dy) in enumerate(chunks):
+                sync = spmd.no_sync(model) if i < len(chunks) - 1 else contextlib.nullcontext()
+                with sync:
+                    loss = ((model(dx) - dy) ** 2).mean() / micro_batches
+                    loss.backward()
+            opt.step()
+            opt.zero_grad()
+        calls.append(counted.calls)
+        losses.append(loss.item())
+    return losses, [spmd.to_global(p.detach()).tolist() for p in model.parameters()], calls
+
+
+def bucketed_training():
+    """`_dp_training` with bucket sizes (argv: local devices per client, mesh dims as `batch,model`), and
+    accumulation over 2 micro-batches with no_sync."""
+    import spmd
+    per, (batch, model) = int(sys.argv[2]), map(int, sys.argv[3].split(","))
+    spmd.initialize_accelerator_system("CPU", num_logical_cpu_devices=per)
+    mesh = spmd.create_distributed_mesh([("batch", batch), ("model", model)])
+    out = {"client": spmd.client_id()}
+    for cap in (0, 1e-6, 25):  # off; one gradient per bucket; everything in one bucket
+        out[str(cap)] = _dp_training(mesh, cap)
+    out["no_sync"] = _dp_training(mesh, micro_batches=2)
+    _result(out)
+
+
+def killed_in_backward():
+    """Client 1 dies in the middle of a bucketed backward (after its first bucket started): client 0 fails with a
+    CollectiveError, within the collective timeout."""
+    import torch
+    import spmd
+    from spmd import UNSHARDED as U, Layout
+    spmd.initialize_accelerator_system("CPU", num_logical_cpu_devices=1)
+    mesh = spmd.create_distributed_mesh([("batch", 2)])
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+    spmd.distribute_module(model, mesh, bucket_cap_mb=1e-6)  # one gradient per bucket
+    if spmd.client_id() == 1:
+        model[0].weight.register_post_accumulate_grad_hook(lambda p: os._exit(0))
+    dx = spmd.copy_to_mesh(torch.randn(4, 8), Layout(["batch", U], mesh))
+    spmd.barrier(mesh)  # both clients are alive here
+    start = time.monotonic()
+    try:
+        model(dx).sum().backward()
+        [spmd.to_global(p.grad) for p in model.parameters()]
+        _result({"error": None})
+    except spmd.CollectiveError as e:
+        _result({"error": str(e), "type": type(e).__name__, "elapsed": time.monotonic() - start})
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from torch import nn
 
 import spmd
 from spmd import UNSHARDED as U, Layout
-from spmd.controller import Controller, ControllerError, RemoteDTensor, WorkerDiedError, WorkerError
+from spmd.controller import Controller, ControllerError, RemoteDTensor, WorkerDiedError, WorkerError, shadow_cache
 
 ENGINES = [pytest.param(name, marks=pytest.mark.skipif(importlib.util.find_spec(package) is None,
                                                        reason=f"{package} is not installed"))
@@ -70,6 +70,12 @@ def ctl(request):
     yield controller
     controller.shutdown()
     assert wait_gone(started | set(controller.worker_pids())) == set(), "processes left after shutdown"
+
+
+@pytest.fixture(autouse=True)
+def check_shadow_cache(monkeypatch):
+    """Every op the controller replays from its shadow cache also runs the engine, and the two must agree."""
+    monkeypatch.setattr(shadow_cache, "CHECK", True)
 
 
 @pytest.fixture
@@ -129,6 +135,67 @@ def test_dropped_tensors_are_freed(ctl, mesh):
     assert ctl.live_handles() == before
 
 
+def test_shadow_cache_replays_views_inplace_and_pending_ops(mesh):
+    torch.manual_seed(0)
+    a, w = torch.randn(8, 16), torch.randn(16, 8)
+    da = spmd.copy_to_mesh(a, Layout(["batch", "model"], mesh))
+    dw = spmd.copy_to_mesh(w, Layout(["model", U], mesh))
+
+    def ops(x, w):
+        p = x @ w  # a contraction over the sharded axis: a pending sum, resolved into p by the next op
+        q = p[:, 3:].t()  # a view with a storage offset, then a transposed one
+        q.mul_(2.0)  # in place through the views
+        r = (p + 1.0).contiguous().unsqueeze(0)
+        r.squeeze_(0)  # rebinds its target: always run by the engine
+        h, g = (q.T @ q).sum(0), x.chunk(2, dim=1)[1]
+        return p, r, h, g.sum()
+
+    before = shadow_cache.STATS["checked"]
+    first = [spmd.to_global(t) for t in ops(da, dw)]
+    again = [spmd.to_global(t) for t in ops(da, dw)]
+    assert shadow_cache.STATS["checked"] - before >= 8  # the second pass replayed (and checked) its ops
+    expected = ops(a, w)
+    for got in (first, again):
+        for g, e in zip(got, expected):
+            torch.testing.assert_close(g, e)
+
+
+def test_shadow_cache_check_catches_a_wrong_record(mesh):
+    x = spmd.ones(4, layout=Layout(["batch"], mesh))
+    x * 3.0
+    key = shadow_cache.key_of(torch.ops.aten.mul.Tensor, (x, 3.0), {}, [])
+    entry = shadow_cache._CACHE[key]
+    wrong = entry.outputs[0][:4] + ((7,),) + entry.outputs[0][5:]  # a pending reduction the engine does not make
+    shadow_cache._CACHE[key] = shadow_cache.Entry((wrong,), entry.structure, entry.inputs)
+    try:
+        with pytest.raises(AssertionError, match="shadow cache"):
+            x * 3.0
+    finally:
+        shadow_cache._CACHE[key] = entry
+
+
+def test_function_mode_is_refused_by_name(mesh):
+    x = spmd.copy_to_mesh(torch.arange(8.), Layout(["batch"], mesh))
+    f = spmd.function(lambda a: (a * a).sum(), backend="eager")
+    with pytest.raises(Exception, match="do not run on a controller mesh yet"):
+        f(x)
+    assert (x * x).sum().item() == 140.0  # the workers are unaffected
+
+
+def test_a_second_controller_gets_its_own_layouts(ctl, mesh):
+    x = spmd.ones(4, layout=Layout(["batch"], mesh))
+    x + 1.0  # the engine's plan and the shadow cache now hold this controller's layouts
+    with Controller(num_workers=2, devices_per_worker=2, engine=ctl.engine_name, collective_timeout=20) as other:
+        pids = set(other.worker_pids())
+        mesh2 = other.create_mesh([("batch", 2), ("model", 2)])  # named like `mesh`
+        y = spmd.ones(4, layout=Layout(["batch"], mesh2)) + 1.0
+        assert spmd.fetch_layout(y).mesh is mesh2
+        z = spmd.copy_to_mesh(torch.ones(4), spmd.fetch_layout(y))  # reaches `other`'s workers, not `ctl`'s
+        assert spmd.to_global(z + y).tolist() == [3.0] * 4
+    assert wait_gone(pids) == set()
+    assert spmd.to_global(x + 1.0).tolist() == [2.0] * 4
+
+
 class MLP(nn.Module):
     def __init__(self):
         super().__init__()
@@ -161,7 +228,9 @@ def test_mlp_trains_like_one_process(mesh):
                               "fc2.weight": Layout([U, "model"], mesh)})
     spmd.distribute_module(model, mesh, layouts)
     assert isinstance(model.fc1.weight, RemoteDTensor)
+    replayed = shadow_cache.STATS["checked"]
     losses = _train(model, batches, lambda t: spmd.copy_to_mesh(t, Layout(["batch", U], mesh)))
+    assert shadow_cache.STATS["checked"] - replayed > 4 * 20  # steps 2-5 replayed their ops, checked
     assert losses == pytest.approx(expected, rel=1e-5, abs=1e-6)
 
 

@@ -97,6 +97,53 @@ def test_compiled_training_parity_with_one_process(per_client, dims, collectives
                 ["_c10d_functional.all_reduce.default", "_c10d_functional.wait_tensor.default"] * n), graph
 
 
+def _worker_function(name):
+    sys.path.insert(0, str(WORKER.parent))
+    try:
+        import multiclient_worker
+    finally:
+        sys.path.remove(str(WORKER.parent))
+    return getattr(multiclient_worker, name)
+
+
+@pytest.mark.parametrize("per_client, dims", [(1, (2, 1)), (2, (2, 2))])
+def test_bucketed_gradients_match_one_process(per_client, dims):
+    """distribute_module's gradient buckets: the losses and parameters of the one-process run, for bucketing off,
+    one gradient per bucket and one bucket for all; one async all_reduce per bucket and nothing else in backward
+    and step but the loss's; no_sync over 2 micro-batches equals one batch of both, with one bucket per step."""
+    dp_training = _worker_function("_dp_training")
+    mesh = spmd.create_mesh([("batch", dims[0]), ("model", dims[1])])
+    single_losses, single_params, _ = dp_training(mesh)
+    _, big_batch_params, _ = dp_training(mesh, micro_batches=1)
+    accumulated_losses, _, _ = dp_training(mesh, micro_batches=2)
+    buckets = {"0": 0, "1e-06": 6, "25": 1}  # 6 parameters, all replicated: each gradient a pending sum
+    for r in launch("bucketed_training", argv_extra=[per_client, f"{dims[0]},{dims[1]}"]):
+        for cap, n in buckets.items():
+            losses, params, calls = r[cap]
+            assert losses == pytest.approx(single_losses, rel=1e-9), cap
+            for p, q in zip(params, single_params):
+                assert torch.allclose(torch.tensor(p), torch.tensor(q), rtol=1e-9, atol=1e-12), cap
+            for step in calls:
+                assert step.count(True) == n, (cap, step)
+                if n:
+                    assert step.count(False) == 1, (cap, step)  # the loss's all-reduce
+        losses, params, calls = r["no_sync"]
+        assert losses == pytest.approx(accumulated_losses, rel=1e-9)
+        for p, q in zip(params, big_batch_params):
+            assert torch.allclose(torch.tensor(p), torch.tensor(q), rtol=1e-9, atol=1e-12)
+        assert all(step.count(True) == 1 and step.count(False) == 2 for step in calls), calls
+
+
+def test_client_killed_in_bucketed_backward_fails_fast():
+    """A client that dies while the buckets of a backward are in flight: the other gets a CollectiveError naming
+    the bucket's all-reduce, within the collective timeout."""
+    timeout = 4
+    r = launch("killed_in_backward", timeout_s=timeout, wait_for=(0,))[0]
+    assert r["type"] == "CollectiveError", r
+    assert "gradient bucket" in r["error"] and "client(s) [1]" in r["error"], r
+    assert r["elapsed"] < timeout + 3
+
+
 def test_grad_scaler_skips_the_step_on_every_client_or_none():
     results = launch("grad_scaler")
     for r in results:

@@ -214,8 +214,56 @@ def _all_to_all(send: torch.Tensor, group) -> torch.Tensor:
     return recv
 
 
+class AsyncSum:
+    """An all-reduce (sum) of a flat buffer in flight; `wait()` returns the buffer, reduced."""
+
+    def __init__(self, work, buf: torch.Tensor, fail):
+        self._work, self._buf, self._fail = work, buf, fail
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            try:
+                self._work.wait()
+            except RuntimeError as e:
+                self._fail(e)
+            self._work = None
+        return self._buf
+
+
 class DistributedCollectives(Collectives):
     """Collectives for a mesh whose devices are spread over the clients of a `torch.distributed` job."""
+
+    # -- sums split into a local part and one asynchronous call (the gradient buckets of spmd/buckets.py) --------
+    def cross_client_batch(self, mesh, dims) -> _Batch | None:
+        """The groups of a sum over `dims` when it is one torch.distributed call across clients; None when it
+        needs no communication or several calls (several client sets)."""
+        batches = _plan(mesh, tuple(dims)).batches
+        if len(batches) != 1 or _group(batches[0].ranks) is None:
+            return None
+        return batches[0]
+
+    def partial_sums(self, x: torch.Tensor, batch: _Batch) -> torch.Tensor:
+        """(groups, *local): the sum of this client's members of each group (no copy when it is `x` itself)."""
+        if batch.identity:
+            return x
+        return self._contributions(x, batch).sum(1)
+
+    def spread(self, sums: torch.Tensor, batch: _Batch) -> torch.Tensor:
+        """(L, *local): each local member's group's value of `sums` (groups, *local)."""
+        if batch.identity:
+            return sums
+        group_of = [g for _, g, _ in sorted(batch.local)]
+        return sums.index_select(0, torch.tensor(group_of, device=sums.device))
+
+    def sum_async(self, buf: torch.Tensor, mesh, dims, batch: _Batch) -> AsyncSum:
+        """Starts summing `buf` (flat, contiguous, owned) over the clients of `batch`."""
+        def fail(e):
+            self._fail(e, "all_reduce(sum) of a gradient bucket", mesh, tuple(dims), batch)
+        try:
+            work = dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=_group(batch.ranks), async_op=True)
+        except RuntimeError as e:
+            fail(e)
+        return AsyncSum(work, buf, fail)
 
     # -- helpers ---------------------------------------------------------------------------------------------------
     def _fail(self, e: Exception, what: str, mesh, dims, batch: _Batch):

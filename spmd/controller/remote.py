@@ -16,6 +16,7 @@ from contextlib import contextmanager
 
 import torch
 
+from spmd.controller.errors import ControllerError
 from spmd.dtensor import DTensor
 from spmd.mesh import Mesh
 
@@ -43,6 +44,15 @@ class ControllerMesh(Mesh):
         super().__init__(*args, **kwargs)
         self._session, self.mesh_id, self.dims = session, mesh_id, dims
 
+    def __eq__(self, other) -> bool:
+        # two controllers' meshes differ even where their devices are named alike (a notebook that starts a second
+        # controller): the engine's plans and the shadow cache, keyed by layouts, must not mix their layouts. A
+        # plain mesh parsed from a layout string (`spmd.relayout`'s argument) still equals this one
+        return self is other or (isinstance(other, Mesh) and self._string == other._string
+                                 and getattr(other, "_session", self._session) is self._session)
+
+    __hash__ = Mesh.__hash__
+
     @property
     def torch_device(self) -> torch.device:
         return _META if _SHADOW[0] else _CPU
@@ -69,6 +79,11 @@ class RemoteDTensor(DTensor):
         if _SHADOW[0]:
             return DTensor._local.fget(self)
         return self._session.fetch_stack(self)
+
+    def __tensor_flatten__(self):
+        # torch.compile would trace the shadows into a graph of meta kernels that never reaches the workers
+        raise ControllerError("spmd.function and torch.compile do not run on a controller mesh yet: call the "
+                              "function without them (its ops are sent to the workers as they run)")
 
     def __deepcopy__(self, memo):
         with torch.no_grad():

@@ -40,10 +40,12 @@ class WorkerState:
     # -- fire-and-forget instructions -----------------------------------------------------------------------------
     def run(self, payload: bytes) -> None:
         freed, instructions = pickle.loads(payload)
-        for h in freed:
+        if self.error is None:
+            self._run(instructions)
+        for h in freed:  # after: the controller may drop a tensor that an instruction of this message made or used
             self.table.pop(h, None)
-        if self.error is not None:
-            return
+
+    def _run(self, instructions) -> None:
         for instruction in instructions:
             try:
                 _RUN[instruction[0]](self, *instruction[1:])

@@ -26,6 +26,7 @@ class TensorSpec(NamedTuple):
     shape: tuple[int, ...]
     dtype: torch.dtype
     pending: tuple = ()  # the mesh dims of a pending sum the tensor carries (see `Decision.keeps`)
+    gradient: bool = False  # the pending sum was made by autograd's backward: a gradient on its way to its leaf
 
     @property
     def rank(self) -> int:

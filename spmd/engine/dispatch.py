@@ -88,9 +88,14 @@ def dispatch(func, args=(), kwargs=None):
 
 def torch_dispatch(cls, func, types, args=(), kwargs=None):
     """`DTensor.__torch_dispatch__`: the whole hot path of a cache hit is this function and `_execute`."""
-    if func is _DETACH and not (explain.RECORDERS or args[0]._pending):  # autograd detaches every gradient
-        t = args[0]  # (a pending reduction takes the general path: resolved once, into the tensor both share)
-        return DTensor(t._stack.detach(), t._layout, t.shape)
+    if func is _DETACH and not explain.RECORDERS:  # autograd detaches every gradient
+        t = args[0]
+        if not t._pending:
+            return DTensor(t._stack.detach(), t._layout, t.shape)
+        if torch._C._current_graph_task_id() != -1:  # a gradient on its way into `.grad`: still pending there,
+            return DTensor(t._stack.detach(), t._layout, t.shape,  # for spmd/buckets.py to reduce
+                           pending=t._pending, pending_op=t._pending_op)
+        # (else the general path: resolved once, into the tensor both share)
     tensors: list[DTensor] = []
     key = [id(func)]  # OpOverloads live as long as torch: their id is stable and cheaper than their hash
     blind = _FLOAT_BLIND.get(id(func))
@@ -129,7 +134,10 @@ def torch_dispatch(cls, func, types, args=(), kwargs=None):
 
 
 def resolve(tensor: DTensor) -> None:
-    """Resolves `tensor`'s pending reduction in place (an all-reduce over its pending mesh dims)."""
+    """Resolves `tensor`'s pending reduction in place (an all-reduce over its pending mesh dims, or the wait for
+    the gradient bucket already reducing it)."""
+    if tensor._bucket is not None and tensor._bucket.settle(tensor):
+        return
     axes, mesh = tensor._layout.axes, tensor._layout.mesh
     steps = planner.plan_on(mesh, axes, axes, tensor._pending, tensor._pending_op)
     tensor._settle(planner.run(tensor._stack, mesh, steps))
@@ -325,8 +333,9 @@ def _make_plan(func, args, kwargs, tensors) -> _Plan:
     def spec(a):
         if isinstance(a, DTensor):
             next(it)
+            pending = a._pending if a._pending_op == "sum" else ()
             return TensorSpec(a._layout.axes if native else a._layout.outer_axes, tuple(a.shape), a.dtype,
-                              a._pending if a._pending_op == "sum" else ())
+                              pending, bool(pending) and a._key[-1] is True)
         if isinstance(a, (list, tuple)) and any(isinstance(x, DTensor) for x in a):
             return type(a)(spec(x) for x in a)
         return a

@@ -104,7 +104,7 @@ def pointwise_rule(call: OpCall) -> Decision:
 # functional ops linear in their pending-sum operands (f(sum of p) = sum of f(p)), by which operands: "both"
 # operands pending over the same dims (a sum of sums), "either" one of them (the other is a factor), or the
 # "first" (scaled, or a numerator)
-_LINEAR = {aten.add.Tensor: "both", aten.sub.Tensor: "both", aten.mul.Tensor: "either", aten.div.Tensor: "first",
+_LINEAR = {aten.add.Tensor: "both", aten.add_.Tensor: "both", aten.sub.Tensor: "both", aten.mul.Tensor: "either", aten.div.Tensor: "first",
            aten.neg.default: "first", aten.mul.Scalar: "first", aten.div.Scalar: "first"}
 
 

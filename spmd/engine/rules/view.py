@@ -71,7 +71,25 @@ def _infer_size(size, numel: int) -> tuple:
     return tuple(size)
 
 
+def keeps_pending(rule):
+    """`rule` for a view op that passes a gradient's pending sum through (one backward made: `TensorSpec.gradient`,
+    part of the cache key) when its input needs no relayout: the view of a sum is the sum of the views, so a
+    gradient stays pending through autograd's `t`/`view` on its way to the leaf (where spmd/buckets.py reduces it)
+    instead of being all-reduced by the view. Such a view and its base resolve apart, so in-place ops on the view
+    are refused (`copies`) rather than lost. Other pending inputs are resolved first: the view shares the resolved
+    memory, and in-place writes reach the base."""
+    def with_pending(call: OpCall) -> Decision:
+        decision = rule(call)
+        spec = call.specs[0]
+        if not spec.gradient or tuple(decision.inputs[0]) != tuple(spec.axes):
+            return decision
+        return replace(decision, keeps=(0,), reduce=(spec.pending,), copies=True)
+    with_pending.__doc__ = rule.__doc__
+    return with_pending
+
+
 @register(aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten._reshape_alias.default)
+@keeps_pending
 def view_rule(call: OpCall) -> Decision:
     spec = call.specs[0]
     out_shape = _infer_size(arg(call, "size"), math.prod(spec.shape))
@@ -94,6 +112,7 @@ def expand_rule(call: OpCall) -> Decision:
 
 
 @register(aten.permute.default)
+@keeps_pending
 def permute_rule(call: OpCall) -> Decision:
     spec = call.specs[0]
     dims = [norm_dim(d, spec.rank) for d in arg(call, "dims")]
@@ -102,6 +121,7 @@ def permute_rule(call: OpCall) -> Decision:
 
 
 @register(aten.transpose.int, aten.t.default)
+@keeps_pending
 def transpose_rule(call: OpCall) -> Decision:
     spec = call.specs[0]
     if spec.rank < 2:
@@ -114,6 +134,7 @@ def transpose_rule(call: OpCall) -> Decision:
 
 
 @register(aten.unsqueeze.default)
+@keeps_pending
 def unsqueeze_rule(call: OpCall) -> Decision:
     spec = call.specs[0]
     dim = norm_dim(arg(call, "dim"), spec.rank + 1)
@@ -122,6 +143,7 @@ def unsqueeze_rule(call: OpCall) -> Decision:
 
 
 @register(aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims)
+@keeps_pending
 def squeeze_rule(call: OpCall) -> Decision:
     spec = call.specs[0]
     dims = arg(call, "dim")
