@@ -260,3 +260,37 @@ def test_killed_worker_is_an_error_not_a_hang(engine):
     with pytest.raises(ControllerError, match="shut down"):
         t + 1
     assert wait_gone(started | set(ctl.worker_pids())) == set(), "processes left after a worker died"
+
+
+_KILLED_CONTROLLER = """
+import os, sys, time
+import spmd
+ctl = spmd.Controller(num_workers=2, devices_per_worker=1, engine=sys.argv[1], collective_timeout=20)
+mesh = ctl.create_mesh([("x", 2)])
+print("ready", flush=True)
+time.sleep(300)
+"""
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_killed_controller_leaves_no_process(engine):
+    """SIGKILL of the controller process: its workers, and the engine's own daemons (Ray's), end with it."""
+    import subprocess
+    import sys
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED_CONTROLLER, engine], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
+    started: set[int] = set()
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        started = descendants(proc.pid)
+        assert started, "the controller started no process"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        left = wait_gone(started, seconds=30)
+        assert left == set(), f"processes left after the controller was killed: {sorted(left)}"
+    finally:  # whatever failed, this test leaves nothing behind
+        if proc.poll() is None:
+            proc.kill()
+        for pid in started | descendants(proc.pid):
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)

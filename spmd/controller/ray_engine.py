@@ -12,6 +12,7 @@ import os
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
+from spmd.controller import reaper
 from spmd.controller.engine import Engine
 from spmd.controller.errors import WorkerDiedError
 from spmd.controller.worker import WorkerState
@@ -34,12 +35,16 @@ class RayEngine(Engine):
     def __init__(self):
         self._actors: list = []
         self._owns_ray = False
+        self._reaper = None
 
     def start(self, num_workers: int, worker_kwargs: dict) -> None:
         if not ray.is_initialized():
+            before = set(reaper.tree([os.getpid()]))
             ray.init(num_cpus=max(num_workers, os.cpu_count() or 1), include_dashboard=False,
                      configure_logging=False, log_to_driver=True)
             self._owns_ray = True
+            # Ray's daemons outlive a killed driver: a reaper ends them if this process dies without shutdown
+            self._reaper = reaper.watch(sorted(set(reaper.tree([os.getpid()])) - before))
         remote = ray.remote(num_cpus=0, max_restarts=0)(RayWorker)
         self._actors = [remote.remote(i, num_workers, worker_kwargs) for i in range(num_workers)]
 
@@ -68,6 +73,9 @@ class RayEngine(Engine):
         if self._owns_ray and ray.is_initialized():
             ray.shutdown()
         self._owns_ray = False
+        if self._reaper is not None:
+            reaper.release(self._reaper)
+            self._reaper = None
 
 
 def make_engine() -> RayEngine:
