@@ -27,8 +27,9 @@ _FUNCTIONAL = torch._C._TorchDispatchModeKey.FUNCTIONAL
 
 def install_engine(engine) -> None:
     """Plugs in the object that runs DTensor ops: `engine.dispatch(func, args, kwargs)` for every aten op
-    (`engine.torch_dispatch` is the same with `__torch_dispatch__`'s signature), and `engine.resolve(tensor)` to
-    resolve a tensor's pending reduction in place (`tensor._settle`)."""
+    (`engine.torch_dispatch` is the same with `__torch_dispatch__`'s signature), `engine.resolve(tensor)` to
+    resolve a tensor's pending reduction in place (`tensor._settle`), and `engine.distributed(value, layout)` to lay
+    a plain global value out."""
     global _engine
     _engine = engine
     DTensor.__torch_dispatch__ = classmethod(engine.torch_dispatch)
@@ -243,8 +244,10 @@ def keep_grad_layout(leaf: DTensor) -> None:
     layout = leaf._layout
 
     def to_leaf_layout(grad):
-        if not isinstance(grad, DTensor):
+        if grad is None:
             return grad
+        if not isinstance(grad, DTensor):  # a formula made it from scratch (zeros): a global value, laid out
+            return _engine.distributed(grad.expand(leaf.shape).contiguous(), layout)
         if grad._layout != layout:  # a pending reduction of `grad` becomes a reduce-scatter where it can
             grad = relayout_op(grad, layout.to_string())
         return grad  # (AccumulateGrad gives it the leaf's strides, as for plain tensors)

@@ -51,13 +51,7 @@ UNSUPPORTED = {
 }
 
 # -- known bugs: a wrong answer or another exception (strict xfails) ----------------------------------------------
-_ZERO_GRAD = "a zero gradient (torch's _efficientzerotensor) comes back as a plain tensor, not a DTensor"
-_ZEROS_GRAD = "the backward formula makes the gradient with aten.zeros(sizes): a plain tensor, not a DTensor"
 KNOWN_BUGS = {
-    "copysign": _ZERO_GRAD, "nextafter": _ZERO_GRAD, "sgn": _ZERO_GRAD,
-    "repeat": _ZEROS_GRAD + " (a repeat count of 0)", "tile": _ZEROS_GRAD + " (a repeat count of 0)",
-    "max_pool2d_with_indices_backward": _ZEROS_GRAD,
-    "unbind": "backward of a 1-d tensor's unbind: RuntimeError, a gradient of shape [1] for a [5] input",
     "tensor_split": "indices given as a tensor: RuntimeError, torch reads the data of the DTensor wrapper",
     "linalg.matrix_rank": "returns a plain tensor, not a DTensor, for an empty batch of matrices (2, 0, 0)",
     "linalg.matrix_rank.hermitian": "returns a plain tensor, not a DTensor, for an empty batch of matrices",

@@ -207,7 +207,7 @@ def _replicated_plain(args, kwargs):
     def replicated(a):
         if isinstance(a, DTensor) or not isinstance(a, torch.Tensor) or a.dim() == 0:
             return a
-        return _distributed(a, Layout.replicated(mesh, a.dim()))
+        return distributed(a, Layout.replicated(mesh, a.dim()))
 
     return pytree.tree_map(replicated, (args, kwargs))
 
@@ -219,11 +219,11 @@ def _copy_from_plain(func, args, kwargs):
         raise MixedTensorError(f"copy_ of a plain tensor that requires grad (shape {list(src.shape)}) into a "
                                "DTensor: distribute it first with spmd.copy_to_mesh(tensor, layout)")
     layout = target._layout
-    value = _distributed(src.expand(target.shape), layout)
+    value = distributed(src.expand(target.shape), layout)
     return dispatch(func, (target, value) + tuple(args[2:]), kwargs)
 
 
-def _distributed(value: torch.Tensor, layout: Layout) -> DTensor:
+def distributed(value: torch.Tensor, layout: Layout) -> DTensor:
     """A plain global value as a DTensor laid out by `layout`: each device keeps its shard."""
     return DTensor(planner.distribute(value, layout.mesh, layout.axes), layout, value.shape)
 

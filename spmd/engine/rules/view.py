@@ -15,7 +15,7 @@ import torch
 
 from spmd.dtensor import dense_strides
 from spmd.engine.registry import lookup, register
-from spmd.engine.decision import Decision, OpCall, unsupported
+from spmd.engine.decision import Decision, OpCall, TensorSpec, unsupported
 from spmd.engine.rules.common import generic_kernel, norm_dim, zero_d_as_one_element
 from spmd.engine.rules.reduction import arg, arg_index
 
@@ -204,12 +204,20 @@ def cat_rule(call: OpCall) -> Decision:
 
 @register(aten.stack.default)
 def stack_rule(call: OpCall) -> Decision:
-    """Operands of one shape, sharded alike, stack piecewise; the new axis is unsharded."""
-    specs = call.specs
+    """Operands of one shape, sharded alike, stack piecewise; the new axis is unsharded. Plain 0-d operands
+    among 0-d ones (the zeros a derivative formula makes: unbind's gradient) are one element on every device."""
+    specs, operands = call.specs, arg(call, "tensors")
     dim = norm_dim(arg(call, "dim", 0), specs[0].rank + 1)
     axes = _merged(specs)
-    return Decision((axes,) * len(specs), (axes[:dim] + (None,) + axes[dim:],),
-                    lambda l, a, k: torch.stack(l, dim + 1))
+    out = (axes[:dim] + (None,) + axes[dim:],)
+    if len(specs) == len(operands):
+        return Decision((axes,) * len(specs), out, lambda l, a, k: torch.stack(l, dim + 1))
+    distributed, n = [isinstance(t, TensorSpec) for t in operands], call.num_local
+
+    def kernel(l, a, k):
+        it = iter(l)
+        return torch.stack([next(it) if d else t.expand(n) for d, t in zip(distributed, a[0])], dim + 1)
+    return Decision((axes,) * len(specs), out, kernel)
 
 
 @register(aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int)
