@@ -54,6 +54,10 @@ class _Conv:
         return out if self.batched else out.squeeze(1)
 
     def forward(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.batched and self.ci is None and self.co is None:  # one weight everywhere: fold devices into batch
+            bias = None if bias is None else bias[:bias.shape[0] // self.num_local]
+            out = aten.convolution(x.flatten(0, 1), w[0], bias, *self.static, self.groups)
+            return out.unflatten(0, (self.num_local, -1))
         out = aten.convolution(self.grouped(x), w.flatten(0, 1), bias, *self.static, self.groups * self.num_local)
         return self.ungrouped(out)
 
@@ -94,8 +98,9 @@ def convolution_backward_rule(call: OpCall) -> Decision:
         g, xs, ws = locals_
         gi, gw, gb = aten.convolution_backward(conv.grouped(g), conv.grouped(xs), ws.flatten(0, 1), local_bias,
                                                *conv.static, conv.groups * conv.num_local, mask)
-        return (None if gi is None else conv.ungrouped(gi), None if gw is None else gw.unflatten(0, (conv.num_local, -1)),
-                None if gb is None else gb.unflatten(0, (conv.num_local, -1)))
+        per_device = (conv.num_local, -1)
+        return (None if gi is None else conv.ungrouped(gi), None if gw is None else gw.unflatten(0, per_device),
+                None if gb is None else gb.unflatten(0, per_device))
 
     return Decision((conv.out_axes, conv.x_axes, conv.w_axes),
                     tuple(axes if m else None for axes, m in zip(outputs, mask)), kernel,
