@@ -231,7 +231,6 @@ def grad_scaler():
 def compiled_training():
     """The MLP's step compiled (argv: local devices per client, mesh dims as `batch,model`); reports the losses, and
     the torch.distributed collectives in the compiled forward and backward graphs (recorded with aot_eager)."""
-    import torch
     from torch._dynamo.backends.common import aot_autograd
     import spmd
     per, (batch, model) = int(sys.argv[2]), map(int, sys.argv[3].split(","))
