@@ -121,6 +121,13 @@ def write_results(stem: str, markdown: str, data: dict, out_dir: str | None = No
     return [md_path, js_path]
 
 
+def output_arguments(parser, stem: str) -> None:
+    """Every benchmark's `--out` and `--readme-only` (README.md's table from results/<stem>.json, nothing run)."""
+    parser.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
+    parser.add_argument("--readme-only", action="store_true",
+                        help=f"README.md's table from results/{stem}.json; no run")
+
+
 def update_readme(stem: str, readme: Callable[[dict], str], out_dir: str | None = None) -> dict:
     """README.md's `stem` section := readme(<out_dir>/<stem>.json): the stored numbers, nothing is rerun."""
     with open(os.path.join(out_dir or RESULTS, stem + ".json")) as f:

@@ -29,7 +29,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import spmd
-from benchmarks._common import environment, fmt, free_port, md_table, ratio, update_readme, write_results
+from benchmarks._common import (
+    environment, fmt, free_port, md_table, output_arguments, ratio, update_readme, write_results)
 from spmd import UNSHARDED as U, Layout
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -140,8 +141,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--engines", nargs="+", default=list(PACKAGES))
-    parser.add_argument("--out", default=None)
-    parser.add_argument("--readme-only", action="store_true")
+    output_arguments(parser, "controller")
     parser.add_argument("--client", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.client is not None:

@@ -33,6 +33,7 @@ from benchmarks._common import (
     environment,
     fmt,
     md_table,
+    output_arguments,
     ratio,
     torch_dist_ws1,
     update_readme,
@@ -575,8 +576,7 @@ def main(argv=None) -> dict:
     p.add_argument("--warm", type=int, default=None, help="warm-up steps (default 3)")
     p.add_argument("--no-dt", action="store_true", help="skip torch.distributed.tensor")
     p.add_argument("--no-rss", action="store_true", help="skip the peak-RSS subprocesses")
-    p.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
-    p.add_argument("--readme-only", action="store_true", help="README.md's table from results/demo.json; no run")
+    output_arguments(p, "demo")
     p.add_argument("--_rss", default=None, help=argparse.SUPPRESS)
     p.add_argument("--_shape", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)

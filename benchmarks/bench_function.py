@@ -26,7 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import spmd
-from benchmarks._common import environment, fmt, md_table, ratio, update_readme, write_results
+from benchmarks._common import environment, fmt, md_table, output_arguments, ratio, update_readme, write_results
 from spmd import UNSHARDED, Layout
 from spmd.demo.model import GPT, GPTConfig, megatron_layouts
 
@@ -177,8 +177,7 @@ def main(argv=None) -> dict:
     p.add_argument("--steps", type=int, default=None, help="steps per timing repetition (default 20)")
     p.add_argument("--reps", type=int, default=None, help="repetitions, median reported (default 5)")
     p.add_argument("--threads", type=int, default=1, help="torch threads")
-    p.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
-    p.add_argument("--readme-only", action="store_true", help="README.md's table from results/function.json")
+    output_arguments(p, "function")
     a = p.parse_args(argv)
     if a.readme_only:
         return update_readme("function", readme_table, a.out)

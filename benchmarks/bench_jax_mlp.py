@@ -56,7 +56,7 @@ import numpy as np
 import torch
 
 import spmd
-from benchmarks._common import environment, fmt, md_table, ratio, update_readme, write_results
+from benchmarks._common import environment, fmt, md_table, output_arguments, ratio, update_readme, write_results
 from spmd import UNSHARDED as U
 from spmd import Layout
 
@@ -204,8 +204,7 @@ def main(argv=None) -> dict:
     p.add_argument("--cpus", type=int, default=1,
                    help="pin the process to this many cores before JAX starts (0: no pinning; default 1)")
     p.add_argument("--no-jax", action="store_true", help="skip JAX even if it is installed")
-    p.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
-    p.add_argument("--readme-only", action="store_true", help="README.md's table from results/jax_mlp.json; no run")
+    output_arguments(p, "jax_mlp")
     a = p.parse_args(argv)
     if a.readme_only:
         return update_readme("jax_mlp", readme_table, a.out)

@@ -27,7 +27,8 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import spmd
-from benchmarks._common import environment, fmt, md_table, ratio, torch_dist_ws1, update_readme, write_results
+from benchmarks._common import (
+    environment, fmt, md_table, output_arguments, ratio, torch_dist_ws1, update_readme, write_results)
 from spmd import UNSHARDED, Layout
 
 CONFIGS = [(64, 256, 4, 32), (256, 1024, 4, 32)]
@@ -214,8 +215,7 @@ def main(argv=None) -> dict:
     p.add_argument("--warm", type=int, default=None, help="warm-up steps (default 3)")
     p.add_argument("--configs", nargs="*", default=None, help="D,H,L,B (default 64,256,4,32 256,1024,4,32)")
     p.add_argument("--no-dt", action="store_true", help="skip torch.distributed.tensor")
-    p.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
-    p.add_argument("--readme-only", action="store_true", help="README.md's table from results/mlp.json; no run")
+    output_arguments(p, "mlp")
     a = p.parse_args(argv)
     if a.readme_only:
         return update_readme("mlp", readme_table, a.out)

@@ -32,6 +32,7 @@ from benchmarks._common import (
     fmt,
     free_port,
     md_table,
+    output_arguments,
     ratio,
     time_cases,
     update_readme,
@@ -379,8 +380,7 @@ def main(argv=None) -> dict:
     p.add_argument("--no-relayout", action="store_true")
     p.add_argument("--no-mlp", action="store_true")
     p.add_argument("--timeout", type=float, default=None, help="hard limit for the 2 clients, seconds")
-    p.add_argument("--out", default=None)
-    p.add_argument("--readme-only", action="store_true", help="README.md's table from results/multiclient.json")
+    output_arguments(p, "multiclient")
     p.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.readme_only:

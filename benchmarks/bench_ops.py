@@ -30,6 +30,7 @@ from benchmarks._common import (
     fmt,
     md_table,
     med,
+    output_arguments,
     ratio,
     time_cases,
     torch_dist_ws1,
@@ -360,8 +361,7 @@ def main(argv=None) -> dict:
     p.add_argument("--n", type=int, default=64)
     p.add_argument("--no-dt", action="store_true", help="skip torch.distributed.tensor")
     p.add_argument("--no-profile", action="store_true")
-    p.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
-    p.add_argument("--readme-only", action="store_true", help="README.md's table from results/ops.json; no run")
+    output_arguments(p, "ops")
     a = p.parse_args(argv)
     if a.readme_only:
         return update_readme("ops", readme_table, a.out)

@@ -20,8 +20,8 @@ if __package__ in (None, ""):
 import torch
 
 import spmd
-from benchmarks._common import environment, fmt, md_table, med, ratio, time_cases, torch_dist_ws1, update_readme, \
-    write_results
+from benchmarks._common import (
+    environment, fmt, md_table, med, output_arguments, ratio, time_cases, torch_dist_ws1, update_readme, write_results)
 from spmd import UNSHARDED, Layout
 
 # (name, parameter shapes): the 100 small tensors, and a transformer-like set (weights and vectors)
@@ -90,8 +90,7 @@ def main(argv=None) -> dict:
     p.add_argument("--iters", type=int, default=None, help="steps per timing repetition (default 20)")
     p.add_argument("--reps", type=int, default=None, help="repetitions, the median is reported (default 5)")
     p.add_argument("--no-dt", action="store_true", help="skip torch.distributed.tensor")
-    p.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
-    p.add_argument("--readme-only", action="store_true", help="README.md's table from results/optim.json; no run")
+    output_arguments(p, "optim")
     a = p.parse_args(argv)
     if a.readme_only:
         return update_readme("optim", readme_table, a.out)
