@@ -18,6 +18,7 @@ import torch.utils._pytree as pytree
 from spmd.api import to_global
 from spmd.dtensor import DTensor
 from spmd.engine import dispatch
+from spmd.scope import EAGER_IMPLICIT_REPLICATION
 from spmd.xla.mesh import device_ids_of
 
 __all__ = ["XLAShardedTensor", "XLAShard", "ShardingType", "wrap"]
@@ -57,11 +58,8 @@ class XLAShardedTensor(DTensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        dispatch.IMPLICIT_REPLICATION[0] += 1
-        try:
+        with EAGER_IMPLICIT_REPLICATION:
             out = dispatch.torch_dispatch(DTensor, func, types, args, kwargs)
-        finally:
-            dispatch.IMPLICIT_REPLICATION[0] -= 1
         inputs = {id(a) for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, DTensor)}
         return pytree.tree_map_only(DTensor, lambda t: t if id(t) in inputs else _rewrap(t), out)
 
