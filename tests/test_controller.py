@@ -19,7 +19,8 @@ from torch import nn
 
 import spmd
 from spmd import UNSHARDED as U, Layout
-from spmd.controller import Controller, ControllerError, RemoteDTensor, WorkerDiedError, WorkerError, shadow_cache
+from spmd.controller import (Controller, ControllerError, RemoteDTensor, WorkerDiedError, WorkerError, reaper,
+                             shadow_cache)
 
 ENGINES = [pytest.param(name, marks=pytest.mark.skipif(importlib.util.find_spec(package) is None,
                                                        reason=f"{package} is not installed"))
@@ -27,23 +28,8 @@ ENGINES = [pytest.param(name, marks=pytest.mark.skipif(importlib.util.find_spec(
 
 
 def descendants(pid: int) -> set[int]:
-    """Live processes below `pid` (zombies excluded), from /proc."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if fields[0] != "Z":
-                children.setdefault(int(fields[1]), []).append(int(entry))
-    found, todo = set(), [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.add(child)
-            todo.append(child)
-    return found
+    """Live processes below `pid` (zombies excluded)."""
+    return set(reaper.tree([pid])) - {pid}
 
 
 def alive(pid: int) -> bool:

@@ -35,16 +35,18 @@ def release(reaper: subprocess.Popen) -> None:
 
 
 def tree(pids: list[int]) -> list[int]:
-    """`pids` and every live process below them (Linux's /proc; elsewhere just `pids`)."""
+    """`pids` and every live process below them, zombies left out (Linux's /proc; elsewhere just `pids`)."""
     children: dict[int, list[int]] = {}
     if os.path.isdir("/proc"):
         for entry in os.listdir("/proc"):
             if entry.isdigit():
                 try:
                     with open(f"/proc/{entry}/stat") as f:
-                        children.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+                        state, parent = f.read().rsplit(")", 1)[1].split()[:2]
                 except (OSError, IndexError, ValueError):
                     continue
+                if state != "Z":
+                    children.setdefault(int(parent), []).append(int(entry))
     found, todo = [], list(pids)
     while todo:
         pid = todo.pop()
