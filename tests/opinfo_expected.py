@@ -30,7 +30,7 @@ UNSUPPORTED = {
     "geqrf": _FORWARD, "masked_select": _FORWARD, "unique": _FORWARD, "unique_consecutive": _FORWARD,
     "nonzero": _FORWARD, "argwhere": _FORWARD, "histogram": _FORWARD, "histogramdd": _FORWARD,
     "repeat_interleave": _FORWARD, "linalg.lstsq": _FORWARD, "linalg.lstsq.grad_oriented": _FORWARD,
-    "pinverse": _FORWARD, "linalg.pinv": _FORWARD, "nn.functional.ctc_loss": _BOTH,
+    "nn.functional.ctc_loss": _BOTH,
     "nn.functional.multi_margin_loss": _BACKWARD, "nn.functional.multilabel_margin_loss": _BACKWARD,
     "index_fill": _BACKWARD,  # its backward calls aten._unique
     # no rule for ops whose outputs are not one plain tensor (None, bool, a list)

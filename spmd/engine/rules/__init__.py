@@ -1,5 +1,6 @@
 """Sharding rules, one module per algebraic family; importing this package registers them all
 (`spmd.engine.registry` finds the rule of an op)."""
 
-from spmd.engine.rules import (contraction, conv, loss, nn, pointwise, random_ops, reduction, tensor_ops, view,  # noqa: F401
-                               vocab_parallel)
+from spmd.engine.rules import (complex_numbers, contraction, conv, elementwise, fft, indexing, linalg, loss,  # noqa: F401
+                               nn, pointwise, random_ops, rearrange, reduction, tensor_ops, view, view_copies,
+                               view_scatters, vocab_parallel)

@@ -1,9 +1,11 @@
-"""Contractions (mm, bmm, addmm, baddbmm, mv, dot) through one einsum-labelled rule.
+"""Contractions (mm, bmm, addmm, baddbmm, addmv, addr, addbmm, mv, dot, vdot, `_trilinear`) through one
+einsum-labelled rule, and pairwise distances (cdist), which contract like a matrix product.
 
 Why the rule holds: a sharded contracted label turns each local product into a partial sum over that mesh
 dim (one all-reduce completes it); a sharded free label simply carries to the output. Label priorities follow
 TF DTensor's matmul rule: free labels beat contracted labels beat batch labels for a mesh dim, and two free
-labels on one mesh dim both become unsharded.
+labels on one mesh dim both become unsharded. A distance ‖x1_p − x2_r‖ is not a sum of products, so its
+feature axis is whole on each device; its gradient sums over r and is a partial sum like a contraction.
 """
 
 from __future__ import annotations
@@ -82,20 +84,66 @@ def dot_rule(call: OpCall) -> Decision:
     return _contraction(call, "k,k->", lambda l, a, k: (l[0] * l[1]).sum(-1))
 
 
-@register(aten.addmm.default, aten.baddbmm.default)
+@register(aten.vdot.default, blockwise=True)
+def vdot_rule(call: OpCall) -> Decision:
+    return _contraction(call, "k,k->", lambda l, a, k: (l[0].conj() * l[1]).sum(-1))
+
+
+_LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+
+@register(aten._trilinear.default)
+def trilinear_rule(call: OpCall) -> Decision:
+    """`_trilinear` (F.bilinear and its gradients): three operands unsqueezed at `expand1..3` to one rank, multiplied
+    and summed over `sumdim` -- an einsum whose labels are the axes of that rank. An axis of size 1 that broadcasts
+    is unsharded (every device holds it whole)."""
+    specs = call.specs
+    expands = [set(call.args[i]) for i in (3, 4, 5)]
+    rank = specs[0].rank + len(expands[0])
+    terms = ["".join(_LETTERS[i] for i in range(rank) if i not in e) for e in expands]
+    sumdim = set(call.args[6])
+    out = "".join(_LETTERS[i] for i in range(rank) if i not in sumdim)
+    sizes = {}
+    for term, s in zip(terms, specs):
+        for label, size in zip(term, s.shape):
+            sizes[label] = max(sizes.get(label, 1), size)
+    operands = [tuple(None if s.shape[j] == 1 and sizes[label] != 1 else s.axes[j] for j, label in enumerate(term))
+                for term, s in zip(terms, specs)]
+    required, out_axes, reduced = einsum_axes(",".join(terms) + "->" + out, operands)
+    required = [tuple(None if size == 1 and sizes[label] != 1 else m for m, label, size in zip(req, term, s.shape))
+                for req, term, s in zip(required, terms, specs)]
+    stacked = f"{','.join('Z' + t for t in terms)}->Z{out}"
+    return Decision(tuple(required), (out_axes,), lambda l, a, k: torch.einsum(stacked, *l),
+                    reduce=(reduced,) if reduced else ())
+
+
+# op: (the einsum of its product, the product of stacked local operands)
+_PRODUCTS = {
+    aten.addmm.default: ("mk,kn->mn", torch.matmul),
+    aten.baddbmm.default: ("bmk,bkn->bmn", torch.matmul),
+    aten.addmv.default: ("mk,k->m", lambda m, v: torch.matmul(m, v.unsqueeze(-1)).squeeze(-1)),
+    aten.addr.default: ("m,n->mn", lambda u, v: u.unsqueeze(-1) * v.unsqueeze(-2)),
+    # one product over (batch, k) together: torch's sequential sum of the batches rounds about as finely
+    aten.addbmm.default: ("bmk,bkn->mn", lambda a, b: torch.matmul(a.transpose(1, 2).flatten(2), b.flatten(1, 2))),
+}
+
+
+@register(*_PRODUCTS)
 def addmm_rule(call: OpCall) -> Decision:
-    """out = beta * bias + alpha * (a @ b). With a pending sum the bias is added once, after the reduction."""
-    batched = call.func is aten.baddbmm.default
+    """out = beta * bias + alpha * product(a, b). With a pending sum the bias is added once, after the reduction."""
+    equation, local_product = _PRODUCTS[call.func]
     bias, a, b = call.specs
-    required, out_axes, reduced = einsum_axes("bmk,bkn->bmn" if batched else "mk,kn->mn", [a.axes, b.axes])
-    out_shape = (a.shape[0], a.shape[1], b.shape[2]) if batched else (a.shape[0], b.shape[1])
+    required, out_axes, reduced = einsum_axes(equation, [a.axes, b.axes])
+    terms, out = equation.split("->")
+    sizes = {label: size for term, s in zip(terms.split(","), (a, b)) for label, size in zip(term, s.shape)}
+    out_shape = tuple(sizes[label] for label in out)
     r = len(out_shape)
     bias_axes = tuple(None if (bias.shape[j] == 1 and out_shape[j + r - bias.rank] != 1)
                       else out_axes[j + r - bias.rank] for j in range(bias.rank))
     bias_view = (call.num_local,) + (1,) * (r - bias.rank) + call.local_shape(bias, bias_axes)
 
     def product(locals_, args, kwargs):
-        out = torch.matmul(locals_[1], locals_[2])
+        out = local_product(locals_[1], locals_[2])
         alpha = kwargs.get("alpha", 1)
         return out if alpha == 1 else out.mul_(alpha)
 
@@ -108,3 +156,54 @@ def addmm_rule(call: OpCall) -> Decision:
                         epilogue=lambda outs, locals_, args, kwargs: [add_bias(outs[0], locals_, kwargs)])
     return Decision((bias_axes, *required), (out_axes,),
                     lambda locals_, args, kwargs: add_bias(product(locals_, args, kwargs), locals_, kwargs))
+
+
+@register(aten._cdist_forward.default)
+def cdist_rule(call: OpCall) -> Decision:
+    """Distances between the rows of x1 (…, P, M) and x2 (…, R, M): batch, P and R axes sharded like a matrix
+    product's labels, M whole. The algorithm torch picks by the global P and R is pinned, so that no shard picks
+    another."""
+    x1, x2 = call.specs
+    required, out_axes = _distance_axes(x1, x2, "bpm,brm->bpr")[:2]
+    p, mode = call.args[2], call.args[3] or 0
+    if mode == 0:  # torch: the matrix-product algorithm (p=2) if P or R exceeds 25
+        mode = 1 if x1.shape[-2] > 25 or x2.shape[-2] > 25 else 2
+    as1, as2 = (_batch_aligned(call, s, axes, max(x1.rank, x2.rank)) for s, axes in zip((x1, x2), required))
+    return Decision(tuple(required), (out_axes,),
+                    lambda l, a, k: aten._cdist_forward(l[0].reshape(as1), l[1].reshape(as2), p, mode))
+
+
+@register(aten._cdist_backward.default)
+def cdist_backward_rule(call: OpCall) -> Decision:
+    """x1's gradient sums over the R axis: sharded, it leaves a pending sum over its mesh dim."""
+    grad, x1, x2, cdist = call.specs
+    required, out_axes, reduced = _distance_axes(x1, x2, "bpr,bpm,brm,bpr->bpm", grad, cdist)
+    p = call.args[3]
+    as1, as2 = (_batch_aligned(call, s, axes, grad.rank) for s, axes in zip((x1, x2), required[1:3]))
+    return Decision(tuple(required), (out_axes,), lambda l, a, k: aten._cdist_backward(  # it wants dense operands
+        l[0].contiguous(), l[1].reshape(as1).contiguous(), l[2].reshape(as2).contiguous(), p, l[3].contiguous()),
+        reduce=(reduced,) if reduced else ())
+
+
+def _batch_aligned(call: OpCall, spec, axes, rank: int) -> tuple:
+    """The shape of `spec`'s stacked components with ones inserted after the stack axis up to `rank`: torch
+    broadcasts batch axes from the right, and the stack axis must stay the first batch axis."""
+    return (call.num_local,) + (1,) * (rank - spec.rank) + call.local_shape(spec, axes)
+
+
+def _distance_axes(x1, x2, equation: str, *others):
+    """einsum_axes for cdist's operands in `equation`'s order: x1, x2 and the (…, P, R) tensors `others` (the
+    gradient before them, the distances after). Batch axes ("b") are shared labels when every batch shape
+    agrees, else unsharded; the feature axes M are unsharded."""
+    batch = x1.shape[:-2]
+    specs = list(others[:1]) + [x1, x2] + list(others[1:])
+    features = [False] * len(others[:1]) + [True, True] + [False] * len(others[1:])  # an M axis: whole
+    shared = all(s.shape[:-2] == batch for s in specs)
+    operands = [(s.axes[:-2] if shared else ()) + s.axes[-2:-1] + ((None,) if f else s.axes[-1:])
+                for s, f in zip(specs, features)]
+    required, out_axes, reduced = einsum_axes(equation.replace("b", _LETTERS.upper()[:len(batch)] if shared else ""),
+                                              operands)
+    if not shared:
+        required = [(None,) * (s.rank - 2) + tuple(req) for s, req in zip(specs, required)]
+        out_axes = (None,) * (max(x1.rank, x2.rank) - 2) + out_axes
+    return required, out_axes, reduced

@@ -14,6 +14,7 @@ from spmd.collectives import Collective, Kind
 from spmd.engine.registry import register
 from spmd.engine.decision import Decision, OpCall, TensorSpec, unsupported
 from spmd.engine.rules.common import constant, shard_starts
+from spmd.engine.rules.pointwise import merge_axes
 from spmd.engine.rules.reduction import arg
 
 aten = torch.ops.aten
@@ -126,48 +127,62 @@ def embedding_backward_rule(call: OpCall) -> Decision:
                     reduce=((_batch_dims(idx_axes)),) if _batch_dims(idx_axes) else ())
 
 
+def _nll_layout(x: TensorSpec, target: TensorSpec) -> tuple:
+    """(input axes, target axes) of a negative log-likelihood: the class axis (1, or 0 unbatched) whole; the
+    batch and spatial axes (the target's) keep the sharding of input and target merged (the input's first)."""
+    if x.rank == 1:
+        return (None,), ()
+    t_axes = merge_axes([TensorSpec(x.axes[:1] + x.axes[2:], target.shape, x.dtype), target], target.shape)
+    return t_axes[:1] + (None,) + t_axes[1:], t_axes
+
+
+def _classes_last(x: torch.Tensor) -> torch.Tensor:
+    """Stacked components `(L, N, C, *spatial)` (or `(L, C)`) as rows of classes `(L * N * prod(spatial), C)`."""
+    c = 2 if x.dim() > 2 else 1
+    return x.movedim(c, -1).reshape(-1, x.shape[c])
+
+
+@register(aten.nll_loss2d_forward.default)
 def nll_loss_rule(call: OpCall) -> Decision:
-    """Per device: the sum of the picked log-probabilities and of their weights; both all-reduced; the mean is
-    their ratio. The class axis must be whole on each device (engine/rules/vocab_parallel.py registers
-    `nll_loss_forward` and calls this rule when it is)."""
+    """Per device: the sum of the picked log-probabilities and of their weights; both all-reduced over the
+    mesh dims sharding the batch and spatial axes; the mean is their ratio. The class axis must be whole on
+    each device (engine/rules/vocab_parallel.py registers `nll_loss_forward` and calls this rule when it is)."""
     x, target = call.specs[0], call.specs[1]
     weight, reduction, ignore_index = call.args[2:5]
-    if x.rank not in (1, 2):
-        raise unsupported(call, "input of rank > 2")
-    batch = x.axes[0] if x.rank == 2 else None
-    if batch is not None and target.axes[0] not in (batch, None):
-        batch = None
-    x_axes = ((batch, None) if x.rank == 2 else (None,))
-    t_axes = (batch,) if x.rank == 2 else ()
+    x_axes, t_axes = _nll_layout(x, target)
     inputs = (x_axes, t_axes) + (((None,),) if weight is not None else ())
     n_local = call.num_local
 
     def kernel(l, a, k):
         xl, tl = l[0], l[1]
         w = l[2][0] if weight is not None else None
-        flat_x = xl.reshape(-1, xl.shape[-1])
-        per, _ = aten.nll_loss_forward.default(flat_x, tl.reshape(-1), w, 0, ignore_index)
+        per, _ = aten.nll_loss_forward.default(_classes_last(xl), tl.reshape(-1), w, 0, ignore_index)
         if reduction == 0:
             return per.view(tl.shape), xl.new_zeros(n_local)
         mask = (tl != ignore_index).reshape(n_local, -1)
         picked_w = (w[tl.clamp(min=0)] if w is not None else torch.ones_like(tl, dtype=xl.dtype))
         total = (picked_w.reshape(n_local, -1) * mask).sum(1)
         return per.view(n_local, -1).sum(1), total
-    reduced = (batch,) if batch is not None and reduction != 0 else ()
+    reduced = _batch_dims(t_axes) if reduction != 0 else ()
+    out_axes = (t_axes if reduction == 0 else (), ())
+    if reduction == 1 and reduced:  # both sums in one all-reduce, then their ratio
+        def mean(l, a, k, run):
+            sums = run(0, torch.stack(kernel(l, a, k), 1))
+            return sums[:, 0] / sums[:, 1], sums[:, 1].contiguous()
+        return Decision(inputs, out_axes, mean, collectives=(Collective(Kind.ALL_REDUCE, reduced, op="sum"),),
+                        single=False)
 
     def epilogue(outs, l, a, k):
         return [outs[0] / outs[1], outs[1]] if reduction == 1 else outs
-    out_axes = (t_axes if reduction == 0 else (), ())
     return Decision(inputs, out_axes, kernel, reduce=(reduced, reduced) if reduced else (), epilogue=epilogue,
                     single=False)
 
 
+@register(aten.nll_loss2d_backward.default)
 def nll_loss_backward_rule(call: OpCall) -> Decision:
-    x = call.specs[1]
+    x, target = call.specs[1], call.specs[2]
     weight, reduction, ignore_index = call.args[3:6]
-    batch = x.axes[0] if x.rank == 2 else None
-    x_axes = (batch, None) if x.rank == 2 else (None,)
-    t_axes = (batch,) if x.rank == 2 else ()
+    x_axes, t_axes = _nll_layout(x, target)
     g_axes = t_axes if reduction == 0 else ()
     inputs = (g_axes, x_axes, t_axes) + (((None,),) if weight is not None else ()) + ((),)
 
@@ -176,9 +191,10 @@ def nll_loss_backward_rule(call: OpCall) -> Decision:
         w = l[3][0] if weight is not None else None
         total = l[-1][0]
         flat_g = g.reshape(-1) if reduction == 0 else g[0]
-        out = aten.nll_loss_backward.default(flat_g, xl.reshape(-1, xl.shape[-1]), tl.reshape(-1), w, reduction,
-                                             ignore_index, total)
-        return out.view(xl.shape)
+        rows = aten.nll_loss_backward.default(flat_g, _classes_last(xl), tl.reshape(-1), w, reduction,
+                                              ignore_index, total)
+        c = 2 if xl.dim() > 2 else 1
+        return rows.view(xl.movedim(c, -1).shape).movedim(-1, c).contiguous()
     return Decision(inputs, (x_axes,), kernel)
 
 

@@ -64,21 +64,33 @@ def aligned_inputs(call: OpCall, specs: list[TensorSpec], out_axes: tuple, out_s
     return tuple(inputs), tuple(views)
 
 
+# elementwise ops whose native_functions.yaml entries lack torch's `pointwise` tag (torch tags the ops it wrote
+# as TensorIterator kernels with a generated lowering; these have hand-written kernels or are rarely fused):
+# taken as tagged, so their in-place overloads and their gradients join the family too. prelu's weight is viewed
+# by torch to broadcast over the channel axis, and its backward returns both gradients at the broadcast shape
+# (autograd sums the weight's).
+_UNTAGGED = {aten.rsub.Tensor, aten.floor_divide.default, aten.floor_divide.Scalar, aten.fill.Scalar,
+             aten.hardswish.default, aten._prelu_kernel.default, aten._prelu_kernel_backward.default}
+
+
+def _tagged(func) -> bool:
+    return torch.Tag.pointwise in func.tags or func in _UNTAGGED
+
+
 def is_pointwise(func) -> bool:
     """Ops tagged pointwise, and the untagged ones of the family: in-place overloads of pointwise ops
     (`masked_fill_.Scalar`) and the gradients of elementwise maps with one output (`softplus_backward`: the
     derivative is elementwise too)."""
-    if torch.Tag.pointwise in func.tags:
+    if _tagged(func):
         return True
     name = func._schema.name.split("::")[-1]
     if name.endswith("_"):
         packet = getattr(torch.ops.aten, name[:-1], None)
         functional = getattr(packet, func._overloadname, None) if packet is not None else None
-        return functional is not None and torch.Tag.pointwise in functional.tags
+        return functional is not None and _tagged(functional)
     if name.endswith("_backward") and len(func._schema.returns) == 1:
         forward = getattr(torch.ops.aten, name[:-len("_backward")], None)
-        return forward is not None and any(torch.Tag.pointwise in getattr(forward, o).tags
-                                           for o in forward.overloads())
+        return forward is not None and any(_tagged(getattr(forward, o)) for o in forward.overloads())
     return False
 
 

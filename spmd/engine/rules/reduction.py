@@ -12,9 +12,11 @@ from dataclasses import replace
 
 import torch
 
+from spmd.collectives import Collective, Kind
 from spmd.engine.registry import register
 from spmd.engine.decision import Decision, OpCall
-from spmd.engine.rules.common import generic_kernel, norm_dims, zero_d_as_one_element
+from spmd.engine.rules.common import generic_kernel, norm_dims, shard_starts, zero_d_as_one_element
+from spmd.engine.rules.pointwise import aligned_inputs, broadcast_shape, merge_axes
 
 aten = torch.ops.aten
 
@@ -85,6 +87,8 @@ def _full_kernel(call: OpCall, r: int):
         torch_fn = torch.amax if func in (aten.max.default, aten.amax.default) else torch.amin
         return lambda l, a, k: torch_fn(as_axes(l[0]), dim=dims)
     names = [x.name for x in func._schema.arguments]
+    if func in (aten.median.default, aten.nanmedian.default):  # torch's own op per (whole) component: an empty
+        return lambda l, a, k: torch.stack([func(c) for c in l[0]])  # one gives nan, as torch's
     if "dim" not in names:  # prod/any/all of everything: flatten each component, reduce its axis 1
         torch_fn = {aten.prod.default: torch.prod, aten.any.default: torch.any, aten.all.default: torch.all}[func]
         return lambda l, a, k: torch_fn(l[0].reshape(l[0].shape[0], -1), dim=1, **k)
@@ -105,42 +109,119 @@ def _full_kernel(call: OpCall, r: int):
 
 
 register(aten.sum.dim_IntList, aten.sum.default, blockwise=True)(lambda call: reduce_rule(call, "sum"))
+# a NaN counts as 0 in each shard's nansum as in the whole's; nonzero counts add up
+register(aten.nansum.default, aten.count_nonzero.default, aten.count_nonzero.dim_IntList)(
+    lambda call: reduce_rule(call, "sum"))
 register(aten.mean.dim, aten.mean.default, blockwise=True)(lambda call: reduce_rule(call, "avg"))
 register(aten.amax.default, aten.max.default, blockwise=True)(lambda call: reduce_rule(call, "max"))
 register(aten.amin.default, aten.min.default, blockwise=True)(lambda call: reduce_rule(call, "min"))
 register(aten.var.correction, aten.std.correction, aten.var_mean.correction, aten.std_mean.correction,
          aten.max.dim, aten.min.dim, aten.argmax.default, aten.argmin.default, aten.prod.dim_int,
          aten.prod.default, aten.any.dim, aten.all.dim, aten.any.default, aten.all.default, aten.logsumexp.default,
-         aten.median.dim, aten.mode.default)(lambda call: reduce_rule(call, "gather"))
+         aten.median.dim, aten.mode.default, aten.kthvalue.default, aten.nanmedian.dim, aten.median.default,
+         aten.nanmedian.default, aten.hash_tensor.default)(lambda call: reduce_rule(call, "gather"))
 
 
-@register(aten.linalg_vector_norm.default)
+@register(aten.aminmax.default)
+def aminmax_rule(call: OpCall) -> Decision:
+    """min and max at once: each decomposes, but a decision has one pending reduction op, so the kernel completes
+    both itself over the sharded reduced axes' mesh dims (one all-reduce min, one all-reduce max)."""
+    decision = reduce_rule(call, "min")
+    reduced = tuple(m for m in (decision.reduce[0] if decision.reduce else ()) if call.mesh.dim_size(m) > 1)
+    if not reduced:
+        return replace(decision, reduce=())
+    local = decision.kernel
+
+    def kernel(locals_, args, kwargs, run):
+        low, high = local(locals_, args, kwargs)
+        return run(0, low), run(1, high)
+    return replace(decision, kernel=kernel, reduce=(), collectives=(
+        Collective(Kind.ALL_REDUCE, reduced, op="min"), Collective(Kind.ALL_REDUCE, reduced, op="max")))
+
+
+_INF = float("inf")
+_DECOMPOSABLE_ORDERS = (1.0, 2.0, _INF)
+
+
+def _norm_order(call: OpCall) -> float:
+    """linalg_vector_norm's `ord`, or `p` of norm/dist (None: 2)."""
+    order = arg(call, "ord", arg(call, "p"))
+    return 2.0 if order is None else float(order)
+
+
+def _partial_norm(x: torch.Tensor, ord_: float, dims: tuple, keepdim: bool = False) -> torch.Tensor:
+    """The part of ‖x‖_p that decomposes over shards: max |x| for p=inf, else the sum of |x|^p (p = 1, 2)."""
+    x = x.abs()
+    if ord_ == _INF:
+        return x.amax(dim=dims, keepdim=keepdim)
+    return (x if ord_ == 1.0 else x * x).sum(dim=dims, keepdim=keepdim)
+
+
+def _norm_root(ord_: float):
+    """The epilogue that turns the reduced partial norm into the norm (p=2's square root), or None."""
+    return (lambda outs, l, a, k: [outs[0].sqrt()]) if ord_ == 2.0 else None
+
+
+@register(aten.linalg_vector_norm.default, aten.norm.ScalarOpt_dim)
 def norm_rule(call: OpCall) -> Decision:
     """‖x‖_p: all-reduce the local sums of |x|^p (or the local max for p=inf), then take the p-th root."""
     spec = call.specs[0]
-    ord_ = float(arg(call, "ord", 2))
+    ord_ = _norm_order(call)
     dims = norm_dims(arg(call, "dim"), spec.rank)
-    if ord_ not in (1.0, 2.0, float("inf")) or not any(spec.axes[i] for i in dims):
+    if ord_ not in _DECOMPOSABLE_ORDERS or not any(spec.axes[i] for i in dims):
         return reduce_rule(call, "gather")
-    decision = reduce_rule(call, "max" if ord_ == float("inf") else "sum")
+    decision = reduce_rule(call, "max" if ord_ == _INF else "sum")
     keepdim = bool(arg(call, "keepdim", False))
     local_dims = tuple(d + 1 for d in dims)
 
     def kernel(locals_, args, kwargs):
-        x = locals_[0].abs()
         dtype = kwargs.get("dtype")
-        if dtype is not None:
-            x = x.to(dtype)
-        if ord_ == float("inf"):
-            return x.amax(dim=local_dims, keepdim=keepdim)
-        return (x if ord_ == 1.0 else x * x).sum(dim=local_dims, keepdim=keepdim)
+        x = locals_[0] if dtype is None else locals_[0].to(dtype)
+        return _partial_norm(x, ord_, local_dims, keepdim)
+    return replace(decision, kernel=kernel, epilogue=_norm_root(ord_))
 
-    epilogue = (lambda outs, l, a, k: [outs[0].sqrt()]) if ord_ == 2.0 else None
-    return replace(decision, kernel=kernel, epilogue=epilogue)
+
+@register(aten.dist.default)
+def dist_rule(call: OpCall) -> Decision:
+    """‖a − b‖_p: the operands aligned on their broadcast shape as for a pointwise op, then a full reduction of
+    the difference as in `norm_rule` (orders that do not decompose gather everything)."""
+    a, b = call.specs
+    shape = broadcast_shape([a.shape, b.shape])
+    ord_ = _norm_order(call)
+    axes = merge_axes([a, b], shape) if ord_ in _DECOMPOSABLE_ORDERS else (None,) * len(shape)
+    inputs, views = aligned_inputs(call, [a, b], axes, shape)
+    reduced = tuple(m for m in axes if m is not None)
+
+    def difference(locals_):  # each component flattened: the reduction is over all its elements
+        x, y = (t if v is None else t.view(v) for t, v in zip(locals_, views))
+        return (x - y).reshape(call.num_local, -1)
+    if not reduced:
+        return Decision(inputs, ((),), lambda l, _, k: torch.linalg.vector_norm(difference(l), ord_, dim=1))
+    return Decision(inputs, ((),), lambda l, _, k: _partial_norm(difference(l), ord_, (1,)), reduce=(reduced,),
+                    reduce_op="max" if ord_ == _INF else "sum", epilogue=_norm_root(ord_))
+
+
+@register(aten.trace.default)
+def trace_rule(call: OpCall) -> Decision:
+    """The sum of the diagonal: with the rows sharded, each device sums the diagonal entries of its block of rows
+    (their columns whole on it), one pending sum over the rows' mesh dim; a sharded column axis is gathered."""
+    spec = call.specs[0]
+    rows, (n, c) = spec.axes[0], spec.shape
+    if rows is None or c == 0:
+        return Decision(((None, None),), ((),), lambda l, a, k: l[0].diagonal(dim1=1, dim2=2).sum(-1))
+    block = n // call.shards(rows)
+    starts = shard_starts(call, rows, block, 1)
+
+    def kernel(locals_, args, kwargs):
+        x = locals_[0]
+        cols = starts(x) + torch.arange(block, device=x.device)  # (L, block): each row's diagonal column
+        picked = x.gather(2, cols.clamp(max=c - 1).unsqueeze(-1)).squeeze(-1)
+        return picked.masked_fill(cols >= c, 0).sum(-1)
+    return Decision(((rows, None),), ((),), kernel, reduce=((rows,),))
 
 
 @register(aten.cumsum.default, aten.cumprod.default, aten.sort.default, aten.sort.stable, aten.topk.default,
-          aten._safe_softmax.default)
+          aten._safe_softmax.default, aten.cummax.default, aten.cummin.default, aten.logcumsumexp.default)
 @zero_d_as_one_element
 def scan_rule(call: OpCall) -> Decision:
     """Ops along one axis whose every output depends on the whole axis: that axis is gathered, others kept

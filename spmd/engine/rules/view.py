@@ -264,7 +264,8 @@ def select_backward_rule(call: OpCall) -> Decision:
     return Decision((grad.axes,), (out,), lambda l, a, k: aten.select_backward.default(l[0], local, dim + 1, index))
 
 
-@register(aten.gather.default, aten.scatter.src, aten.scatter.value, aten.scatter_add.default)
+@register(aten.gather.default, aten.scatter.src, aten.scatter.value, aten.scatter_add.default,
+          aten.scatter_reduce.two)
 @zero_d_as_one_element
 def indexed_rule(call: OpCall) -> Decision:
     """gather/scatter along `dim`: indices address the whole axis, so it is unsharded; another axis may stay
@@ -302,6 +303,18 @@ def diagonal_rule(call: OpCall) -> Decision:
     axes = tuple(None if i in (d1, d2) else m for i, m in enumerate(spec.axes))
     out = tuple(m for i, m in enumerate(axes) if i not in (d1, d2)) + (None,)
     return Decision((axes,), (out,), lambda l, a, k: l[0].diagonal(offset, d1 + 1, d2 + 1))
+
+
+@register(aten.unfold.default)
+def unfold_rule(call: OpCall) -> Decision:
+    """Windows along `dimension` (a real view of each component): that axis is whole, as is the new trailing
+    axis of window elements; the others keep their sharding. A 0-d input is one element along dimension 0."""
+    spec = call.specs[0]
+    if spec.rank == 0:
+        return Decision(((),), ((None,),), lambda l, a, k: l[0].unsqueeze(1))
+    dim, size, step = norm_dim(arg(call, "dimension"), spec.rank), arg(call, "size"), arg(call, "step")
+    axes = tuple(None if i == dim else m for i, m in enumerate(spec.axes))
+    return Decision((axes,), (axes + (None,),), lambda l, a, k: l[0].unfold(dim + 1, size, step))
 
 
 @register(aten.as_strided.default, aten.as_strided_copy.default, aten.as_strided_scatter.default)
@@ -343,11 +356,14 @@ def triangle_rule(call: OpCall) -> Decision:
           aten.new_empty_strided.default, multi_axis=True)
 def new_factory_rule(call: OpCall) -> Decision:
     """`x.new_zeros(size)` and friends: a tensor of the given global size on x's mesh, with x's layout when it
-    has x's shape (autograd builds a leaf's `.grad` with `grad.new_empty_strided(...).copy_(grad)`), else
-    replicated."""
+    has x's shape (autograd builds a leaf's `.grad` with `grad.new_empty_strided(...).copy_(grad)`); zeros of x's
+    rank have x's sharding on the axes of x's size (a gradient formula's zeros that it copies a slice of x into, as
+    rfft's does); else replicated (circular padding writes x's slices along any axis into a `new_empty`)."""
     spec = call.specs[0]
     size = tuple(arg(call, "size"))
-    out = spec.axes if size == spec.shape else (None,) * len(size)
+    out = (None,) * len(size)
+    if len(size) == spec.rank and (size == spec.shape or call.func is aten.new_zeros.default):
+        out = tuple(m if n == s else None for m, n, s in zip(spec.axes, size, spec.shape))
     local = (call.num_local,) + call.local_shape(size, out)
     if call.func is aten.new_empty_strided.default:
         kernel = lambda l, a, k: l[0].new_empty(local, dtype=k.get("dtype"))  # noqa: E731
@@ -418,14 +434,19 @@ def index_select_rule(call: OpCall) -> Decision:
                     lambda l, a, k: l[0].index_select(dim + 1, l[1][0].reshape(-1)))
 
 
-@register(aten.index_add.default)
+@register(aten.index_add.default, aten.index_copy.default, aten.index_reduce.default)
 @zero_d_as_one_element
 def index_add_rule(call: OpCall) -> Decision:
-    """index_select's gradient: rows of `source` added at replicated indices along `dim`, which is whole on each
-    device; other axes are sharded alike in self and source (their sizes agree)."""
+    """index_select's gradient (and its siblings index_copy, index_reduce): rows of `source` added (copied,
+    reduced) at replicated indices along `dim`, which is whole on each device; other axes are sharded alike in
+    self and source (their sizes agree; a 0-d source of a one-element index is one element on every device)."""
     self_, index, source = call.specs
     dim = norm_dim(arg(call, "dim"), self_.rank)
     axes = _merged([self_, source], skip=dim)
-    alpha = arg(call, "alpha", 1)
-    return Decision((axes, (None,) * index.rank, axes), (axes,),
-                    lambda l, a, k: l[0].index_add(dim + 1, l[1][0].reshape(-1), l[2], alpha=alpha))
+    source_axes = axes if source.rank == self_.rank else ()
+    as_rows = (call.num_local,) + (1,) * self_.rank
+
+    def kernel(locals_, args, kwargs):
+        rows = locals_[2] if source.rank == self_.rank else locals_[2].view(as_rows)
+        return call.func(locals_[0], dim + 1, locals_[1][0].reshape(-1), rows, *args[4:], **kwargs)
+    return Decision((axes, (None,) * index.rank, source_axes), (axes,), kernel)
