@@ -8,6 +8,9 @@ import os
 import platform
 import socket
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from typing import Callable, Sequence
 
@@ -15,7 +18,8 @@ import torch
 import torch.distributed as dist
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+README = os.path.join(ROOT, "README.md")
 
 
 def free_port() -> int:
@@ -24,6 +28,42 @@ def free_port() -> int:
     port = s.getsockname()[1]
     s.close()
     return port
+
+
+def launch_clients(script: str, argv: list[str], world: int, timeout: float) -> dict:
+    """Runs `script argv --worker-out FILE` as `world` clients of one gloo group on 127.0.0.1 (1 thread each, the
+    environment torchrun gives), all killed at `timeout` seconds; returns the JSON that client 0 writes to FILE."""
+    name = os.path.basename(script)
+    port = free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rank0.json")
+        procs = []
+        for rank in range(world):
+            env = {k: v for k, v in os.environ.items() if not k.startswith(("DTENSOR_", "SPMD_"))}
+            env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                       MASTER_PORT=str(port), OMP_NUM_THREADS="1", SPMD_COLLECTIVE_TIMEOUT="120",
+                       PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+            procs.append(subprocess.Popen([sys.executable, os.path.abspath(script), *argv, "--worker-out", out],
+                                          env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        deadline = time.monotonic() + timeout
+        logs = []
+        try:
+            for p in procs:
+                try:
+                    logs.append(p.communicate(timeout=max(deadline - time.monotonic(), 1)))
+                except subprocess.TimeoutExpired:
+                    raise RuntimeError(f"{name}: a client ran past {timeout:g}s") from None
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.communicate()
+        if any(p.returncode for p in procs) or not os.path.exists(out):
+            tail = "\n".join(f"client {r} (rc {p.returncode}):\n{logs[r][1][-3000:] if r < len(logs) else ''}"
+                             for r, p in enumerate(procs))
+            raise RuntimeError(f"{name}: the clients failed\n{tail}")
+        with open(out) as f:
+            return json.load(f)
 
 
 @contextlib.contextmanager

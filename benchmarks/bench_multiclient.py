@@ -17,9 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import tempfile
 import time
 
 if __package__ in (None, ""):
@@ -30,7 +28,7 @@ import torch
 from benchmarks._common import (
     environment,
     fmt,
-    free_port,
+    launch_clients,
     md_table,
     output_arguments,
     ratio,
@@ -39,12 +37,12 @@ from benchmarks._common import (
     write_results,
 )
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KINDS = ("all_gather", "all_to_all", "reduce_scatter", "all_reduce")
 KIND_LABEL = {"all_gather": "all-gather S0→R", "all_to_all": "all-to-all S0→S1",
               "reduce_scatter": "reduce-scatter P→S0", "all_reduce": "all-reduce P→R"}
 RAW_CALL = {"all_gather": "`all_gather`", "all_to_all": "`all_to_all_single`",
-            "reduce_scatter": "`all_reduce`; gloo has none", "all_reduce": "`all_reduce`"}
+            "reduce_scatter": "`all_reduce`: on gloo faster than `reduce_scatter_tensor`",
+            "all_reduce": "`all_reduce`"}
 MLP = (256, 1024, 4, 32)  # D, H, L, per-rank batch
 QUICK_MLP = (16, 32, 2, 4)
 
@@ -98,7 +96,7 @@ def _relayout_cases(n: int, rank: int, mesh, dmesh) -> dict:
                        "raw": lambda: dist.all_to_all_single(a2a_out, half),
                        "dt": lambda: dt_s0.redistribute(dmesh, [Shard(1)])},
         "reduce_scatter": {"spmd": lambda: run(pending, mesh, to_s0),
-                           "raw": lambda: dist.all_reduce(ar),  # gloo has no reduce_scatter: what spmd does
+                           "raw": lambda: dist.all_reduce(ar),  # gloo's reduce_scatter_tensor is slower: spmd's way
                            "dt": lambda: dt_p.redistribute(dmesh, [Shard(0)])},
         "all_reduce": {"spmd": lambda: run(pending, mesh, to_r),
                        "raw": lambda: dist.all_reduce(ar),
@@ -242,39 +240,6 @@ def worker(args) -> None:
 
 
 # -- the launcher and the report -------------------------------------------------------------------------------------
-def _launch(argv: list[str], timeout: float) -> dict:
-    port = free_port()
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "rank0.json")
-        procs = []
-        for rank in range(2):
-            env = {k: v for k, v in os.environ.items() if not k.startswith(("DTENSOR_", "SPMD_"))}
-            env.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                       MASTER_PORT=str(port), OMP_NUM_THREADS="1", SPMD_COLLECTIVE_TIMEOUT="120",
-                       PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
-            procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv, "--worker-out", out],
-                                          env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-        deadline = time.monotonic() + timeout
-        logs = []
-        try:
-            for p in procs:
-                try:
-                    logs.append(p.communicate(timeout=max(deadline - time.monotonic(), 1)))
-                except subprocess.TimeoutExpired:
-                    raise RuntimeError(f"bench_multiclient: a client ran past {timeout:g}s") from None
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.communicate()
-        if any(p.returncode for p in procs) or not os.path.exists(out):
-            tail = "\n".join(f"client {r} (rc {p.returncode}):\n{logs[r][1][-3000:] if r < len(logs) else ''}"
-                             for r, p in enumerate(procs))
-            raise RuntimeError(f"bench_multiclient: the clients failed\n{tail}")
-        with open(out) as f:
-            return json.load(f)
-
-
 def _gbps(nbytes: int, us: float | None) -> str:
     return "–" if not us else f"{nbytes / us / 1e3:.2f}"
 
@@ -394,7 +359,7 @@ def main(argv=None) -> dict:
         worker(args)
         return {}
     passthrough = [a for a in (argv if argv is not None else sys.argv[1:]) if a]
-    data = _launch(passthrough, args.timeout or (60 if args.quick else 580))
+    data = launch_clients(__file__, passthrough, 2, args.timeout or (60 if args.quick else 580))
     markdown = report(data)
     write_results("multiclient", markdown, data, args.out, readme=readme_table)
     return data

@@ -29,6 +29,7 @@ from spmd.creation import empty
 from spmd.data import DTensorDataset
 from spmd.dtensor import DTensor
 from spmd.errors import IndivisibleError, LayoutError, MixedTensorError
+from spmd.fsdp import gather_on_use, sharded_layout
 from spmd.layout import Layout
 from spmd.mesh import Mesh
 from spmd.scope import EAGER_IMPLICIT_REPLICATION, default_mesh, implicit_replication, replicates_plain
@@ -202,7 +203,7 @@ def _set(places, value, kind: str) -> None:
 
 def distribute_module(module: nn.Module, mesh: Mesh, layout_map=None,
                       init_fn: Callable[[str, DTensor], Any] | None = None, *,
-                      bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB) -> nn.Module:
+                      bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB, shard_parameters: str | None = None) -> nn.Module:
     """Distributes `module` in place: parameters become `DVariable`s, buffers DTensors; returns `module`.
 
     Every parameter takes the layout `layout_map` maps its name to (see `LayoutMap`; a dict works too), or is
@@ -246,6 +247,12 @@ def distribute_module(module: nn.Module, mesh: Mesh, layout_map=None,
     in buckets of `bucket_cap_mb` MB, one asynchronous all-reduce each, as DDP does (`spmd.buckets`;
     `spmd.no_sync(module)` accumulates micro-batches); `bucket_cap_mb=0` reduces each gradient when it is read.
 
+    `shard_parameters="batch"` also shards every parameter over that mesh dim (FSDP / ZeRO-3; `spmd.fsdp`): on its
+    first unsharded axis that divides (else as the minor mesh dim of a sharded one; else it stays as mapped), so
+    parameters, gradients and optimizer state take 1/N of the memory per device; each submodule gathers its own
+    parameters to their mapped layouts just before its forward and frees them after, gathering again in backward;
+    gradients are reduce-scattered onto the shards.
+
     Nothing is modified when a layout is invalid: every layout is checked before the first tensor moves.
     """
     if not isinstance(module, nn.Module):
@@ -255,13 +262,19 @@ def distribute_module(module: nn.Module, mesh: Mesh, layout_map=None,
     layout_map = _as_layout_map(layout_map)
     params = _plan(module, mesh, layout_map, "parameter")
     buffers = _plan(module, mesh, layout_map, "buffer")
+    compute_layouts = [layout for _, _, layout in params]
+    if shard_parameters is not None:
+        params = [(t, places, sharded_layout(layout, tuple(t.shape), shard_parameters))
+                  for t, places, layout in params]
 
     if init_fn is None:
         _check_initialisable(module, params)
 
     fresh: list[tuple[str, DTensor, list]] = []  # meta tensors materialised uninitialised
+    gathered_to = {}  # id of a parameter -> its compute layout
     with torch.no_grad():
-        for tensor, places, layout in params:
+        for (tensor, places, layout), compute in zip(params, compute_layouts):
+            gathered_to[id(tensor)] = compute
             if isinstance(tensor, DVariable) and tensor._layout == layout:
                 continue
             requires_grad = tensor.requires_grad
@@ -273,6 +286,7 @@ def distribute_module(module: nn.Module, mesh: Mesh, layout_map=None,
             else:
                 value = DVariable(copy_to_mesh(tensor.detach(), layout), requires_grad=requires_grad,
                                   dtype=tensor.dtype)
+            gathered_to[id(value)] = compute
             _set(places, value, "parameter")
         for tensor, places, layout in buffers:
             if layout is None:  # an integer counter
@@ -290,6 +304,7 @@ def distribute_module(module: nn.Module, mesh: Mesh, layout_map=None,
                 value = copy_to_mesh(tensor.detach(), layout)
             _set(places, value, "buffer")
     _forwards_on_mesh(module)
+    gather_on_use(module, gathered_to)
     if not mesh.is_fully_local():
         bucket_gradients(module, bucket_cap_mb)
 
@@ -463,10 +478,12 @@ class Strategy:
       mesh: the `Mesh`. batch_dim: the mesh dimension that shards batches (None: replicated batches).
       layout_map: a `LayoutMap` or dict for `distribute_model` (None: every parameter replicated).
       bucket_cap_mb: the gradient bucket size of `distribute_model` on a multi-client mesh (0: no buckets).
+      shard_parameters: `distribute_model` also shards parameters, gradients and optimizer state over
+        `batch_dim` (FSDP / ZeRO-3; see `distribute_module`).
     """
 
     def __init__(self, mesh: Mesh, batch_dim: str | None = None, layout_map=None, *,
-                 bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB):
+                 bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB, shard_parameters: bool = False):
         if not isinstance(mesh, Mesh):
             raise LayoutError(f"Strategy expects a spmd.Mesh, got {type(mesh).__name__}")
         if batch_dim is not None and batch_dim not in mesh:
@@ -475,7 +492,10 @@ class Strategy:
         self.mesh = mesh
         self.batch_dim = batch_dim
         self.layout_map = _as_layout_map(layout_map)
+        if shard_parameters and batch_dim is None:
+            raise LayoutError("shard_parameters=True shards parameters over the batch dimension: give batch_dim")
         self.bucket_cap_mb = bucket_cap_mb
+        self.shard_parameters = shard_parameters
 
     def __repr__(self) -> str:
         return f"Strategy(mesh={self.mesh!r}, batch_dim={self.batch_dim!r}, layout_map={self.layout_map!r})"
@@ -487,9 +507,11 @@ class Strategy:
         return Layout.batch_sharded(self.mesh, self.batch_dim, rank)
 
     def distribute_model(self, module: nn.Module, init_fn=None) -> nn.Module:
-        """`distribute_module(module, self.mesh, self.layout_map, init_fn, bucket_cap_mb=...)` (in place)."""
+        """`distribute_module(module, self.mesh, self.layout_map, init_fn, bucket_cap_mb=..., shard_parameters=...)`
+        (in place)."""
         return distribute_module(module, self.mesh, self.layout_map, init_fn=init_fn,
-                                 bucket_cap_mb=self.bucket_cap_mb)
+                                 bucket_cap_mb=self.bucket_cap_mb,
+                                 shard_parameters=self.batch_dim if self.shard_parameters else None)
 
     def distribute_batch(self, batch):
         """Copies every plain tensor in `batch` (a tensor, or nested tuples, lists and dicts) onto the mesh with

@@ -418,6 +418,43 @@ def bucketed_training():
     _result(out)
 
 
+def _fsdp_training(mesh, steps=3, tensor_parallel=False):
+    """A 3-layer MLP (float64) with parameters sharded over "batch" (`shard_parameters`), optionally tensor parallel
+    over "model" too, trained with AdamW on batch-sharded data; returns the losses, the final parameters and the
+    parameters' layouts."""
+    import torch
+    import spmd
+    from spmd import UNSHARDED as U, Layout
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh(),
+                                torch.nn.Linear(32, 4)).double()
+    x, y = torch.randn(16, 8, dtype=torch.float64), torch.randn(16, 4, dtype=torch.float64)
+    tp = {r"0\.weight": ["model", U], r"0\.bias": ["model"], r"2\.weight": [U, "model"]} if tensor_parallel else None
+    spmd.distribute_module(model, mesh, tp, shard_parameters="batch")
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    data = Layout(["batch", U], mesh)
+    dx, dy = spmd.copy_to_mesh(x, data), spmd.copy_to_mesh(y, data)
+    losses = []
+    for _ in range(steps):
+        loss = ((model(dx) - dy) ** 2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return (losses, [spmd.to_global(p.detach()).tolist() for p in model.parameters()],
+            [p._layout.sharding_specs for p in model.parameters()])
+
+
+def fsdp_training():
+    """`_fsdp_training` (argv: local devices per client, mesh dims as `batch,model`), data parallel and 2-D."""
+    import spmd
+    per, (batch, model) = int(sys.argv[2]), map(int, sys.argv[3].split(","))
+    spmd.initialize_accelerator_system("CPU", num_logical_cpu_devices=per)
+    mesh = spmd.create_distributed_mesh([("batch", batch), ("model", model)])
+    _result({"client": spmd.client_id(), "dp": _fsdp_training(mesh),
+             "2d": _fsdp_training(mesh, tensor_parallel=True)})
+
+
 def killed_in_backward():
     """Client 1 dies in the middle of a bucketed backward (after its first bucket started): client 0 fails with a
     CollectiveError, within the collective timeout."""

@@ -1,11 +1,12 @@
-"""Keeps benchmarks/bench_multiclient.py from rotting: its main() runs end to end with `--quick` (2 real client
-processes, gloo, a hard timeout). No timing is asserted; only that every case runs, the values of every relayout
-agree across spmd, raw torch.distributed and torch DT, and spmd's training losses equal DDP's."""
+"""Keeps benchmarks/bench_multiclient.py and bench_fsdp.py from rotting: their main() runs end to end with `--quick`
+(2 real client processes, gloo, a hard timeout). No timing is asserted; only that every case runs, the values of
+every relayout agree across spmd, raw torch.distributed and torch DT, spmd's training losses equal DDP's, and
+sharded parameters hold half the state of replicated ones with the same losses."""
 
 import pytest
 import torch
 
-from benchmarks import bench_multiclient
+from benchmarks import bench_fsdp, bench_multiclient
 
 
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
@@ -20,3 +21,15 @@ def test_bench_multiclient_quick(tmp_path):
         assert "error" not in res, (name, res)
     for opt in ("sgd", "adamw"):
         assert data["mlp"]["max_loss_diff_vs_ddp"][f"spmd/{opt}"] == pytest.approx(0.0, abs=1e-5)
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
+def test_bench_fsdp_quick(tmp_path):
+    data = bench_fsdp.main(["--quick", "--timeout", "60", "--out", str(tmp_path)])
+    assert (tmp_path / "fsdp.md").exists()
+    results = data["worlds"]["2"]
+    assert set(results) == set(bench_fsdp.VARIANTS)
+    # spmd's initialisation is layout-invariant: sharded and replicated parameters start from the same values
+    assert results["spmd_fsdp"]["first_loss"] == pytest.approx(results["spmd_dp"]["first_loss"], rel=1e-6)
+    assert results["spmd_fsdp"]["state_mb"] == pytest.approx(results["spmd_dp"]["state_mb"] / 2, rel=0.05)
+    assert results["spmd_fsdp"]["state_mb"] == pytest.approx(results["fsdp2"]["state_mb"], rel=0.05)

@@ -50,18 +50,19 @@ def _close(got, want, what):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()), msg=what)
 
 
-@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("attn, shard_parameters", [("eager", None), ("sdpa", None), ("sdpa", "batch")])
 @pytest.mark.parametrize("build", [_gpt2, _llama], ids=["gpt2", "llama"])
-def test_trains_unchanged_like_plain_torch(mesh, build, attn):
+def test_trains_unchanged_like_plain_torch(mesh, build, attn, shard_parameters):
     """`model(input_ids=, labels=)` with the model's own position ids, masks and cache (`use_cache` as the config
     has it): the losses of AdamW training equal plain torch's, and at every step the gradients equal those plain
     torch computes from the same parameters (independent runs drift apart through AdamW's rounding noise, as
-    two plain runs summing in different orders do)."""
+    two plain runs summing in different orders do). Also with every parameter sharded over "batch" too (FSDP x
+    tensor parallel)."""
     torch.manual_seed(0)
     ref, layouts = build(attn)
     assert ref.config.use_cache and ref.training
     layout_map = LayoutMap(layouts)
-    model = spmd.distribute_module(copy.deepcopy(ref), mesh, layout_map)
+    model = spmd.distribute_module(copy.deepcopy(ref), mesh, layout_map, shard_parameters=shard_parameters)
     same_params = copy.deepcopy(ref)
     opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2)
     data = torch.randint(0, 64, (3, 4, 8), generator=torch.Generator().manual_seed(1))
@@ -84,7 +85,10 @@ def test_trains_unchanged_like_plain_torch(mesh, build, attn):
             m.zero_grad()
     for name, p in model.named_parameters():
         assert isinstance(p, spmd.DVariable), name
-        assert spmd.fetch_layout(p).sharding_specs == (layout_map[name] or [U] * p.dim()), name
+        mapped = Layout(layout_map[name] or [U] * p.dim(), mesh)
+        if shard_parameters:
+            mapped = spmd.fsdp.sharded_layout(mapped, tuple(p.shape), shard_parameters)
+        assert spmd.fetch_layout(p) == mapped, name
 
 
 def test_a_plain_batch_names_the_argument(mesh):
