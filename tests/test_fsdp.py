@@ -206,14 +206,17 @@ def test_function_mode_compiles_a_sharded_step():
     assert [c.kind for c in e.collectives if not c.backward] == ["all_gather"] * 4 + ["all_reduce"]
 
 
-@pytest.mark.parametrize("per_client, dims", [(1, (2, 1)), (2, (2, 2))])
-def test_two_clients_train_as_one_process(per_client, dims):
-    """2 gloo clients, parameters sharded over the batch dim between them (and over "model" too in 2-D): losses,
-    parameters and layouts of the one-process run on a mesh of the same shape."""
+@pytest.mark.parametrize("clients, per_client, dims", [(2, 1, (2, 1)), (2, 2, (2, 2)), (4, 1, (2, 2))])
+def test_clients_train_as_one_process(clients, per_client, dims):
+    """2 or 4 gloo clients, parameters sharded over the batch dim between them (and over "model" too in 2-D, also
+    between clients with 4 of them): losses, parameters and layouts of the one-process run on a mesh of the same
+    shape."""
     fsdp_training = _worker_function("_fsdp_training")
     mesh = spmd.create_mesh([("batch", dims[0]), ("model", dims[1])])
     single = {"dp": fsdp_training(mesh), "2d": fsdp_training(mesh, tensor_parallel=True)}
-    for r in launch("fsdp_training", argv_extra=[per_client, f"{dims[0]},{dims[1]}"]):
+    results = launch("fsdp_training", argv_extra=[per_client, f"{dims[0]},{dims[1]}"], n=clients, timeout_s=60)
+    assert len(results) == clients
+    for r in results:
         for kind, (losses, params, layouts) in single.items():
             assert r[kind][0] == pytest.approx(losses, rel=1e-9), kind
             assert r[kind][2] == layouts
