@@ -176,6 +176,8 @@ def main(argv=None) -> int:
     train.add_argument("--seed", type=int, default=defaults.seed)
     train.add_argument("--compile", action="store_true",
                        help="run the training step under spmd.function (traced once, no per-op Python)")
+    train.add_argument("--shard-parameters", action="store_true",
+                       help="also shard parameters, gradients and optimizer state over 'batch' (FSDP / ZeRO-3)")
     train.add_argument("--no-check", dest="check", action="store_false",
                        help="skip the single-device run that checks the loss curve")
     train.add_argument("--clients", type=int, default=1,

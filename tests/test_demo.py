@@ -21,9 +21,16 @@ def test_demo_loss_curve_matches_single_device(mesh, dropout):
     assert len(result["losses"]) == 3 and result["tokens_per_s"] > 0
 
 
-def test_demo_compiled_matches_single_device():
-    result = run(DemoArgs(mesh="batch=2,model=2", steps=3, batch_size=8, block_size=16, d_model=32, compile=True),
-                 _quiet())
+@pytest.mark.parametrize("shard_parameters", [False, True])
+def test_demo_compiled_matches_single_device(shard_parameters):
+    result = run(DemoArgs(mesh="batch=2,model=2", steps=3, batch_size=8, block_size=16, d_model=32, compile=True,
+                          shard_parameters=shard_parameters), _quiet())
+    assert result["parity"], result
+
+
+def test_demo_with_sharded_parameters_matches_single_device():
+    result = run(DemoArgs(mesh="batch=4,model=2", steps=3, batch_size=8, block_size=16, d_model=32,
+                          shard_parameters=True), _quiet())
     assert result["parity"], result
 
 

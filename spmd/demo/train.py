@@ -34,6 +34,7 @@ class DemoArgs:
     seed: int = 0
     check: bool = True
     compile: bool = False  # the training step under spmd.function (traced once)
+    shard_parameters: bool = False  # parameters and optimizer state also sharded over "batch" (FSDP)
 
 
 def parse_mesh(text: str) -> list[tuple[str, int]]:
@@ -56,11 +57,18 @@ def check_args(args: DemoArgs, mesh_dims: list[tuple[str, int]], vocab: int, cor
         raise ValueError(f"--block-size must be below {corpus_len - 1} (the corpus has {corpus_len} characters)")
     if args.d_model % args.n_head:
         raise ValueError(f"--d-model {args.d_model} must divide into --n-head {args.n_head} heads")
-    if not 0 <= args.dropout < 1 or not args.lr > 0:
-        raise ValueError(f"--dropout must be in [0, 1) and --lr positive, got {args.dropout} and {args.lr}")
+    if not 0 <= args.dropout < 1:
+        raise ValueError(f"--dropout must be in [0, 1), got {args.dropout}")
+    if args.shard_parameters and "batch" not in dict(mesh_dims):
+        raise ValueError(f"--shard-parameters shards over the mesh dim 'batch', which --mesh {args.mesh} lacks")
+    if not args.lr > 0:
+        raise ValueError(f"--lr must be positive, got {args.lr}")
     dims = dict(mesh_dims)
     if len(dims) != len(mesh_dims) or any(size < 1 for size in dims.values()):
         raise ValueError(f"--mesh {args.mesh!r} needs distinct dimension names with sizes of at least 1")
+    unknown = sorted(set(dims) - {"batch", "model"})
+    if unknown:  # the demo shards over these two names only: another would silently shard nothing
+        raise ValueError(f"--mesh {args.mesh!r}: the demo's mesh dimensions are 'batch' and 'model', got {unknown}")
     needs = {"batch": {"--batch-size": args.batch_size},
              "model": {"--n-head": args.n_head, "--d-model": args.d_model, "the vocabulary": vocab}}
     for dim, sizes in needs.items():
@@ -196,7 +204,8 @@ def run(args: DemoArgs, console: Console | None = None) -> dict:
     reference = GPT(cfg)
     model = copy.deepcopy(reference)
     model_dim = "model" if "model" in dict(mesh_dims) else None
-    spmd.distribute_module(model, mesh, spmd.LayoutMap(megatron_layouts(model_dim)))
+    spmd.distribute_module(model, mesh, spmd.LayoutMap(megatron_layouts(model_dim)),
+                           shard_parameters="batch" if args.shard_parameters else None)
     console.print(f"GPT: {sum(p.numel() for p in reference.parameters()):,} parameters, {cfg.n_layer} layers, "
                   f"d_model {cfg.d_model}, {cfg.n_head} heads, vocabulary {vocab}; mesh {mesh_dims} on "
                   f"{mesh.torch_device}{_clients()}; global batch {args.batch_size} x {args.block_size} tokens")
