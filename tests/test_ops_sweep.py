@@ -453,7 +453,7 @@ TF_LAYOUTS = [  # (name, op, [(shape, specs) per input], expected output specs)
     ("reshape [U,y] 4x4->4x2x2", lambda a: a.reshape(4, 2, 2), [((4, 4), "Uy")], "UyU"),
     ("reshape [x,y] 4x4->16", lambda a: a.reshape(16), [((4, 4), "xy")], "x"),
     ("reshape [U,x,U] ->[2,16]", lambda a: a.reshape(2, 16), [((2, 4, 4), "UxU")], "Ux"),
-    ("cumsum sharded axis", lambda a: a.cumsum(0), [((4, 4), "xU")], "UU"),
+    ("cumsum sharded axis", lambda a: a.cumsum(0), [((4, 4), "xU")], "xU"),  # blocks completed by their totals
     ("permute [U,y,x] (2,0,1)", lambda a: a.permute(2, 0, 1), [((4, 4, 4), "Uyx")], "xUy"),
     ("squeeze [U,x,U]", torch.squeeze, [((1, 2, 1), "UxU")], "x"),
     ("slice [x,U][0:1,0:2]", lambda a: a[0:1, 0:2], [((4, 4), "xU")], "UU"),

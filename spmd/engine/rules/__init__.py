@@ -2,5 +2,5 @@
 (`spmd.engine.registry` finds the rule of an op)."""
 
 from spmd.engine.rules import (complex_numbers, contraction, conv, elementwise, fft, indexing, linalg, loss,  # noqa: F401
-                               nn, pointwise, random_ops, rearrange, reduction, tensor_ops, view, view_copies,
-                               view_scatters, vocab_parallel)
+                               nn, pointwise, random_ops, ranges, rearrange, reduction, scans, tensor_ops, view,
+                               view_copies, view_scatters, vocab_parallel)

@@ -5,11 +5,14 @@ A convolution is a contraction over input channels, like a matmul: output channe
 to the output, input channels sharded in both input and weight leave a pending sum, and the weight's gradient
 is a pending sum over the batch's mesh dim. On the stacked components each device's convolution is one group
 of a grouped convolution (the device axis folded into the channels), so one kernel computes every device's
-result, whatever each one holds. Pooling and resampling work per sample and channel: the device axis is folded
-into the batch.
+result, whatever each one holds. Pooling, unpooling and resampling work per sample and channel, and so do grid
+sampling (each sample reads its own grid) and patch extraction (`im2col`/`col2im`, whose patch axis is
+channel-major): the device axis is folded into the batch.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -116,7 +119,8 @@ def _spatial_ops() -> dict:
              "adaptive_max_pool{}d_backward": (2, 3), "upsample_nearest{}d": (1, 2, 3),
              "_upsample_nearest_exact{}d": (1, 2, 3), "upsample_linear{}d": (1,), "upsample_bilinear{}d": (2,),
              "upsample_trilinear{}d": (3,), "upsample_bicubic{}d": (2,), "_upsample_bilinear{}d_aa": (2,),
-             "_upsample_bicubic{}d_aa": (2,), "reflection_pad{}d": (1, 2, 3), "replication_pad{}d": (1, 2, 3)}
+             "_upsample_bicubic{}d_aa": (2,), "reflection_pad{}d": (1, 2, 3), "replication_pad{}d": (1, 2, 3),
+             "max_unpool{}d": (2, 3)}  # unpooling scatters each plane's values to their flat indices in that plane
     ops = {}
     for pattern, ks in names.items():
         for k in ks:
@@ -162,3 +166,79 @@ def _with_input_size(call: OpCall, args, kwargs, lead: tuple):
         size = args[position]
         return args[:position] + (list(lead) + list(size[len(lead):]),) + args[position + 1:], kwargs
     return args, {**kwargs, "input_size": list(lead) + list(kwargs["input_size"][len(lead):])}
+
+
+# -- per-sample ops: sampling grids, patch extraction ----------------------------------------------------------------
+def _folded(call: OpCall, batched: bool, kernel_args):
+    """A kernel running `call.func` once on every device's samples: the stack axis folded into the batch (an
+    unbatched component's stack axis becomes its batch). `kernel_args(locals_, args)` gives the op's arguments
+    from the folded components."""
+    n_local = call.num_local
+
+    def fold(t):
+        return t.flatten(0, 1) if batched else t
+
+    def unfold(t):
+        return None if t is None else t.unflatten(0, (n_local, -1)) if batched else t
+
+    def kernel(locals_, args, kwargs):
+        out = call.func(*kernel_args([None if t is None else fold(t) for t in locals_], args), **kwargs)
+        return unfold(out) if isinstance(out, torch.Tensor) else tuple(unfold(o) for o in out)
+    return kernel
+
+
+def _batch_and_channel(x, batched: bool = True) -> tuple:
+    """The batch and channel axes' mesh dims of an [N, C, ...] (or unbatched [C, ...]) input."""
+    return (x.axes[0], x.axes[1] if x.axes[1] != x.axes[0] else None) if batched else (None, x.axes[0])
+
+
+@register(aten.grid_sampler_2d.default, aten.grid_sampler_3d.default)
+def grid_sampler_rule(call: OpCall) -> Decision:
+    """Each sample reads its own grid, each channel is sampled alike: batch (of input and grid) and channel axes
+    keep their sharding, the spatial axes are whole (a grid point may read anywhere in its plane)."""
+    x, grid = call.specs[:2]
+    n, c = _batch_and_channel(x)
+    n = n if n is not None else grid.axes[0] if grid.axes[0] != c else None
+    x_axes, grid_axes = (n, c) + (None,) * (x.rank - 2), (n,) + (None,) * (grid.rank - 1)
+    kernel = _folded(call, True, lambda l, a: (*l, *a[2:]))
+    return Decision((x_axes, grid_axes), (x_axes,), kernel)
+
+
+@register(aten.grid_sampler_2d_backward.default, aten.grid_sampler_3d_backward.default)
+def grid_sampler_backward_rule(call: OpCall) -> Decision:
+    """The grid's gradient sums over the channels: pending over the channel axis' mesh dim."""
+    _, x, grid = call.specs[:3]
+    n, c = _batch_and_channel(x)
+    n = n if n is not None else grid.axes[0] if grid.axes[0] != c else None
+    x_axes, grid_axes = (n, c) + (None,) * (x.rank - 2), (n,) + (None,) * (grid.rank - 1)
+    mask = list(arg(call, "output_mask"))
+    kernel = _folded(call, True, lambda l, a: (*l, *a[3:]))
+    outputs = (x_axes if mask[0] else None, grid_axes if mask[1] else None)
+    reduce = ((), (c,) if mask[1] and c is not None else ())
+    return Decision((x_axes, x_axes, grid_axes), outputs, kernel, reduce=reduce, single=False)
+
+
+@register(aten.im2col.default)
+def im2col_rule(call: OpCall) -> Decision:
+    """Patches of each (sample, channel) plane: batch and channel axes keep their sharding, spatial axes whole;
+    a channel shard's patches are a block of the output's `C * kernel` axis (channel-major)."""
+    x = call.specs[0]
+    batched = x.rank == 4
+    n, c = _batch_and_channel(x, batched)
+    lead = (n, c) if batched else (c,)
+    kernel = _folded(call, batched, lambda l, a: (*l, *a[1:]))
+    return Decision((lead + (None, None),), (lead + (None,),), kernel)
+
+
+@register(aten.col2im.default)
+def col2im_rule(call: OpCall) -> Decision:
+    """The inverse of im2col: a shard of the `C * kernel` axis that holds whole channels keeps its sharding."""
+    cols = call.specs[0]
+    batched = cols.rank == 3
+    n, c = _batch_and_channel(cols, batched)
+    patch = math.prod(arg(call, "kernel_size"))
+    if c is not None and (cols.shape[1 if batched else 0] // call.shards(c)) % patch:
+        c = None  # a shard would cut through a channel's patches
+    lead = (n, c) if batched else (c,)
+    kernel = _folded(call, batched, lambda l, a: (*l, *a[1:]))
+    return Decision((lead + (None,),), (lead + (None, None),), kernel)

@@ -4,7 +4,7 @@ Why the rules hold: each output element still depends on the elements at its own
 so every axis may stay sharded, except where the op reads more than one position:
 - an axis the op splits or normalises whole (`glu` halves its `dim`; `renorm` scales each slice along `dim` by
   the norm of the slice, which spans every other axis; `searchsorted` searches the last axis of its sequence)
-  must be whole on each device;
+  must be whole on each device (`cross` mixes the 3 components along its `dim`);
 - an operand read whole by every element (`isin`'s test set, `bucketize`'s boundaries, a 1-D sorted sequence)
   is replicated, and each device reads one copy of it;
 - a 0-d value (`masked_fill`'s, `fill`'s) is replicated (as every 0-d DTensor), read as one number.
@@ -91,6 +91,20 @@ def zero_d_value_rule(call: OpCall) -> Decision:
     def kernel(l, a, k):
         return call.func(*(t if v is None else t.view(v) for t, v in zip(l[:-1], views)), l[-1][0])
     return Decision(inputs + ((),), (axes,), kernel, inplace=is_inplace(call.func))
+
+
+@register(aten.linalg_cross.default)
+def cross_rule(call: OpCall) -> Decision:
+    """Pointwise over the broadcast operands, except the `dim` of 3 components each cross product mixes: that
+    axis is whole on each device."""
+    shape = broadcast_shape([s.shape for s in call.specs])
+    dim = arg(call, "dim", -1) % len(shape)
+    axes = tuple(None if i == dim else m for i, m in enumerate(merge_axes(call.specs, shape)))
+    inputs, views = aligned_inputs(call, call.specs, axes, shape)
+
+    def kernel(l, a, k):
+        return aten.linalg_cross.default(*(t if v is None else t.view(v) for t, v in zip(l, views)), dim=dim + 1)
+    return Decision(inputs, (axes,), kernel)
 
 
 # -- lookups in a whole table ----------------------------------------------------------------------------------------

@@ -10,11 +10,15 @@ write wherever their indices point: their operands are replicated, and each devi
 
 from __future__ import annotations
 
+import dataclasses
+from typing import NamedTuple
+
 import torch
 
 from spmd.engine.registry import register
-from spmd.engine.decision import Decision, OpCall
-from spmd.engine.rules.common import generic_kernel, norm_dim, replace_tensors, zero_d_as_one_element
+from spmd.engine.decision import Decision, OpCall, TensorSpec, unsupported
+from spmd.engine.rules.common import generic_kernel, norm_dim, replace_tensors, shard_starts, zero_d_as_one_element
+from spmd.engine.rules.pointwise import aligned_inputs, broadcast_shape, is_inplace, merge_axes
 from spmd.engine.rules.reduction import arg
 
 aten = torch.ops.aten
@@ -57,3 +61,196 @@ def whole_rule(call: OpCall) -> Decision:
     def kernel(locals_, args, kwargs):
         return torch.stack([local([x[j] for x in locals_], args, kwargs) for j in range(call.num_local)])
     return Decision(tuple((None,) * s.rank for s in call.specs), ((None,) * out_rank,), kernel)
+
+
+# -- advanced indexing: self[indices], self[indices] = values ---------------------------------------------------------
+
+_MASKS = (torch.bool, torch.uint8)
+
+
+class _Advanced(NamedTuple):
+    """Where `self[indices]` puts its axes (torch's rule): the index tensors broadcast to `shape`, new axes that
+    sit at the first indexed axis when the indexed axes are adjacent, else in front of the kept ones."""
+    indexed: tuple[int, ...]  # self's axes addressed by an index tensor
+    kept: tuple[int, ...]  # self's other axes, in order
+    shape: tuple[int, ...]  # the index tensors' broadcast shape
+    start: int  # the result's axis where the new axes begin
+
+    def out_axes(self, self_axes: tuple, new_axes: tuple) -> tuple:
+        kept = tuple(self_axes[i] for i in self.kept)
+        return kept[:self.start] + new_axes + kept[self.start:]
+
+    def out_shape(self, self_shape: tuple) -> tuple:
+        return self.out_axes(self_shape, self.shape)
+
+
+def _advanced(call: OpCall, spec: TensorSpec, indices) -> _Advanced:
+    entries = [(i, t) for i, t in enumerate(indices) if t is not None]
+    if any(t.dtype in _MASKS for _, t in entries):
+        raise unsupported(call, "a boolean mask index selects as many elements as it has true entries (nonzero), "
+                                "a shape that depends on its values; index with torch.nonzero(mask) made "
+                                "replicated, or use torch.where / masked_fill")
+    indexed = tuple(i for i, _ in entries)
+    kept = tuple(i for i in range(spec.rank) if i not in indexed)
+    adjacent = indexed == tuple(range(indexed[0], indexed[-1] + 1))
+    shape = broadcast_shape([tuple(t.shape) for _, t in entries])
+    return _Advanced(indexed, kept, shape, indexed[0] if adjacent else 0)
+
+
+def _index_axes(call: OpCall, adv: _Advanced, indices, taken: set) -> tuple:
+    """The sharding of the new axes: the index tensors' merged as pointwise operands, without the mesh dims in
+    `taken` (self's), which a result cannot use twice."""
+    specs = [t for t in indices if isinstance(t, TensorSpec)]
+    return tuple(None if m in taken else m for m in merge_axes(specs, adv.shape))
+
+
+def _index_tensors(call: OpCall, indices, new_axes: tuple, adv: _Advanced):
+    """(the axes of each DTensor index, a function giving the kernel each index tensor (stacked, right-aligned to
+    the new axes, or a plain 0-d tensor) from its locals and args)."""
+    specs = [t for t in indices if isinstance(t, TensorSpec)]
+    axes, views = aligned_inputs(call, specs, new_axes, adv.shape)
+    first_local = 1
+    picks, j = [], 0
+    for pos, t in enumerate(indices):
+        if isinstance(t, TensorSpec):
+            picks.append((first_local + j, views[j]))
+            j += 1
+        elif t is not None:  # a plain 0-d tensor: the same index on every device
+            picks.append((None, pos))
+
+    def tensors(locals_, args):
+        return [locals_[i].view(v) if i is not None and v is not None else locals_[i] if i is not None
+                else args[1][v] for i, v in picks]
+    return axes, tensors
+
+
+def _stack_index(n: int, rank: int, like: torch.Tensor) -> torch.Tensor:
+    """Each device's own component, as an advanced index over the stack axis broadcast with `rank` new axes."""
+    return torch.arange(n, device=like.device).view((n,) + (1,) * rank)
+
+
+@register(aten.index.Tensor)
+def index_rule(call: OpCall) -> Decision:
+    """`self[i0, i1, ...]`: the indexed axes whole on each device, the kept axes keep their sharding, the new
+    axes follow the index tensors'. Each device indexes its own component: the stack axis is one more advanced
+    index, and the indexed axes moved to the front make torch put the new axes first, then where torch would."""
+    spec, indices = call.specs[0], call.args[1]
+    adv = _advanced(call, spec, indices)
+    self_axes = tuple(None if i in adv.indexed else m for i, m in enumerate(spec.axes))
+    new_axes = _index_axes(call, adv, indices, {m for m in self_axes if m is not None})
+    index_axes, index_tensors = _index_tensors(call, indices, new_axes, adv)
+    perm = (0,) + tuple(i + 1 for i in adv.indexed + adv.kept)
+    nb = len(adv.shape)
+    moved = tuple(range(1, nb + 1)), tuple(range(adv.start + 1, adv.start + nb + 1))
+
+    def kernel(locals_, args, kwargs):
+        x = locals_[0].permute(perm)
+        out = x[(_stack_index(call.num_local, nb, x), *index_tensors(locals_, args))]
+        return out.movedim(*moved) if adv.start else out
+    return Decision((self_axes,) + index_axes, (adv.out_axes(self_axes, new_axes),), kernel)
+
+
+@register(aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default)
+def index_put_rule(call: OpCall) -> Decision:
+    """`self[i0, i1, ...] = values`: `self` keeps its layout, in place or not. `values` broadcasts to the indexed
+    result's shape and takes its sharding (self's kept axes; the new axes replicated). On an indexed axis sharded
+    over a mesh dim each device writes the indices that fall in its block (the others go to a scratch slot past
+    its end). With `accumulate` the functional op may leave the index tensors sharded: each device adds its
+    share of the values, and self's components count on the first device of those mesh dims only: the result
+    is a pending sum over them (duplicate indices add, as in torch)."""
+    spec, indices = call.specs[0], call.args[1]
+    inplace = is_inplace(call.func)
+    if any(t is not None and t.dtype in _MASKS for t in indices):
+        return _masked_put(call, inplace)
+    adv = _advanced(call, spec, indices)
+    accumulate = bool(arg(call, "accumulate", False))
+    summed = accumulate and not inplace and spec.dtype is not torch.bool
+    taken = {m for m in spec.axes if m is not None}
+    new_axes = _index_axes(call, adv, indices, taken) if summed else (None,) * len(adv.shape)
+    sums = tuple(m for m in new_axes if m is not None)
+    index_axes, index_tensors = _index_tensors(call, indices, new_axes, adv)
+    values = call.args[2]
+    value_axes, value_view = (), None
+    if isinstance(values, TensorSpec):
+        out_shape = adv.out_shape(spec.shape)
+        (axes,), (value_view,) = aligned_inputs(call, [values], adv.out_axes(spec.axes, new_axes), out_shape)
+        value_axes = (axes,)
+    nb = len(adv.shape)
+    perm = (0,) + tuple(i + 1 for i in adv.indexed + adv.kept)
+    moved = tuple(range(adv.start + 1, adv.start + nb + 1)), tuple(range(1, nb + 1))
+    remaps = _block_remaps(call, spec, adv)
+    first = _first_device(call, sums, spec.rank)
+
+    def kernel(locals_, args, kwargs):
+        x = locals_[0]
+        idx = index_tensors(locals_, args)
+        v = locals_[-1] if value_axes else args[2]
+        if value_axes:
+            v = v if value_view is None else v.view(value_view)
+            v = v.movedim(*moved) if adv.start else v
+        target = x if inplace else torch.where(first(x), x, 0) if sums else x
+        work = _padded(target, remaps, idx)
+        if work is target and not inplace and not sums:
+            work = target = x.clone()
+        work.permute(perm).index_put_((_stack_index(call.num_local, nb, x), *idx), v, accumulate)
+        if work is target:
+            return target
+        written = _unpadded(work, remaps)
+        return target.copy_(written) if inplace else written.contiguous()
+    return Decision((spec.axes,) + index_axes + value_axes, (spec.axes,), kernel, inplace=inplace,
+                    reduce=(sums,) if sums else ())
+
+
+def _masked_put(call: OpCall, inplace: bool) -> Decision:
+    """`self[mask] = values` consumes `values` in the order of the whole mask's true entries: every operand
+    replicated, each device writes its whole component (in place only into a replicated `self`)."""
+    decision = whole_rule(call)
+    if not inplace:
+        return decision
+    if any(call.specs[0].axes):
+        raise unsupported(call, "a boolean mask writes values in the order of the whole mask, so the target must "
+                                "be replicated; relayout it first, or use torch.where / masked_fill")
+    return dataclasses.replace(decision, inplace=True,
+                               kernel=lambda l, a, k: l[0].copy_(decision.kernel(l, a, k)))
+
+
+def _block_remaps(call: OpCall, spec: TensorSpec, adv: _Advanced) -> list:
+    """Per indexed axis sharded over a mesh dim: (its index tensor's position, the axis, its size, block size,
+    each device's first index)."""
+    out = []
+    for k, i in enumerate(adv.indexed):
+        m = spec.axes[i]
+        if m is not None:
+            block = spec.shape[i] // call.shards(m)
+            out.append((k, i, spec.shape[i], block, shard_starts(call, m, block, len(adv.shape))))
+    return out
+
+
+def _padded(x: torch.Tensor, remaps: list, idx: list) -> torch.Tensor:
+    """`x` with one scratch slot past the end of each remapped axis, and `idx` (in place) made block-local: an
+    index outside a device's block points at the scratch slot."""
+    for k, i, size, block, starts in remaps:
+        local = idx[k] + size * (idx[k] < 0) - starts(x)
+        idx[k] = torch.where((local >= 0) & (local < block), local, block)
+        slot = list(x.shape)
+        slot[i + 1] = 1
+        x = torch.cat([x, x.new_zeros(slot)], dim=i + 1)
+    return x
+
+
+def _unpadded(x: torch.Tensor, remaps: list) -> torch.Tensor:
+    for _, i, _, block, _ in remaps:
+        x = x.narrow(i + 1, 0, block)
+    return x
+
+
+def _first_device(call: OpCall, mesh_dims: tuple, rank: int):
+    """Whether each local device is the first along every mesh dim of `mesh_dims`, shaped `(L, 1, ..., 1)`."""
+    starts = [shard_starts(call, m, 1, rank) for m in mesh_dims]
+
+    def get(like: torch.Tensor) -> torch.Tensor:
+        out = torch.ones((call.num_local,) + (1,) * rank, dtype=torch.bool, device=like.device)
+        for s in starts:
+            out = out & (s(like) == 0)
+        return out
+    return get

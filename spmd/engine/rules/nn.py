@@ -1,4 +1,5 @@
-"""Neural-network ops: layer norm, batch norm, embedding, negative log-likelihood (and their backward ops).
+"""Neural-network ops: layer, batch and group norm, embedding and embedding bags, negative log-likelihood,
+attention, pairwise distances (and their backward ops).
 
 Each works on stacked components `(L, *local)`; where an op would sum over its leading axes (a weight
 gradient), the sum is taken per device and then all-reduced over the mesh dims that shard those axes.
@@ -13,7 +14,7 @@ import torch
 from spmd.collectives import Collective, Kind
 from spmd.engine.registry import register
 from spmd.engine.decision import Decision, OpCall, TensorSpec, unsupported
-from spmd.engine.rules.common import constant, shard_starts
+from spmd.engine.rules.common import constant, replace_tensors, shard_starts
 from spmd.engine.rules.pointwise import merge_axes
 from spmd.engine.rules.reduction import arg
 
@@ -323,17 +324,27 @@ def batch_norm_rule(call: OpCall) -> Decision:
     return Decision(inputs, outputs, lambda l, a, k: kernel(l, a, k), single=False)
 
 
-@register(aten.native_batch_norm_backward.default)
+# `batch_norm_backward` (the gradient of `_batch_norm_with_update`) names `train` `update` and the saved inverse
+# standard deviation `save_var`, and takes the (empty) reserve tensor last
+_NEW_BACKWARD = aten.batch_norm_backward.default
+
+
+@register(aten.native_batch_norm_backward.default, _NEW_BACKWARD)
 def batch_norm_backward_rule(call: OpCall) -> Decision:
     """The input's gradient needs the batch's sums of the gradient (one all-reduce, two sums stacked); weight
     and bias gradients are those sums (training) or pending sums over the batch's mesh dims (evaluation)."""
-    names = ("grad_out", "input", "weight", "running_mean", "running_var", "save_mean", "save_invstd")
+    new = call.func is _NEW_BACKWARD
+    names = ("grad_out", "input", "weight", "running_mean", "running_var", "save_mean",
+             "save_var" if new else "save_invstd") + (("reserve",) if new else ())
     specs = _optional_specs(call, names)
     bn = _BatchNorm(call, specs["input"], specs.get("running_mean"))
-    training, eps, mask = arg(call, "train"), arg(call, "eps"), list(arg(call, "output_mask"))
+    training, eps, mask = arg(call, "update" if new else "train"), arg(call, "eps"), list(arg(call, "output_mask"))
     given = [n for n in names if n in specs]
     slot = {n: i for i, n in enumerate(given)}
-    inputs = tuple(bn.x_axes if n in ("grad_out", "input") else (bn.c,) for n in given)
+    if "save_var" in slot:
+        slot["save_invstd"] = slot["save_var"]
+    inputs = tuple(bn.x_axes if n in ("grad_out", "input") else (None,) if n == "reserve" else (bn.c,)
+                   for n in given)
 
     def kernel(l, a, k, run=None):
         g, xl = l[0], l[1]
@@ -362,3 +373,131 @@ def batch_norm_backward_rule(call: OpCall) -> Decision:
     if training and bn.batch:
         return Decision(inputs, outputs, kernel, collectives=bn.collectives(), reduce=reduce, single=False)
     return Decision(inputs, outputs, lambda l, a, k: kernel(l, a, k), reduce=reduce, single=False)
+
+
+# -- group norm ------------------------------------------------------------------------------------------------------
+def _group_norm_layout(x: TensorSpec) -> tuple:
+    """Statistics per (sample, group) over the group's channels and every spatial axis: the batch axis keeps its
+    sharding, the others are whole (a channel shard would split a group's statistics)."""
+    return (x.axes[0],) + (None,) * (x.rank - 1)
+
+
+@register(aten.native_group_norm.default)
+def group_norm_rule(call: OpCall) -> Decision:
+    """Every device normalises its own samples: the stack axis is folded into the batch, no collective."""
+    x = call.specs[0]
+    axes = _group_norm_layout(x)
+    has = [isinstance(arg(call, n), TensorSpec) for n in ("weight", "bias")]
+    params = tuple((None,) for h in has if h)
+
+    def kernel(l, a, k):
+        xl, rest = l[0], iter(l[1:])
+        weight, bias = (next(rest)[0] if h else None for h in has)
+        out, mean, rstd = aten.native_group_norm.default(xl.flatten(0, 1), weight, bias, xl.shape[0] * xl.shape[1],
+                                                         *a[4:])
+        per_device = (xl.shape[0], -1)
+        return out.view(xl.shape), mean.unflatten(0, per_device), rstd.unflatten(0, per_device)
+    stats = (x.axes[0], None)
+    return Decision((axes,) + params, (axes, stats, stats), kernel, single=False)
+
+
+@register(aten.native_group_norm_backward.default)
+def group_norm_backward_rule(call: OpCall) -> Decision:
+    """The input's gradient per sample (folded as the forward); the weight's and bias' gradients are each
+    device's sums over its samples, pending over the batch's mesh dim."""
+    x = call.specs[1]
+    axes = _group_norm_layout(x)
+    has_w = isinstance(arg(call, "weight"), TensorSpec)
+    mask, groups = list(arg(call, "output_mask")), arg(call, "group")
+    stats = (x.axes[0], None)
+    inputs = (axes, axes, stats, stats) + (((None,),) if has_w else ())
+
+    def kernel(l, a, k):
+        g, xl, mean, rstd = l[:4]
+        weight = l[4][0] if has_w else None
+        n_local, n = xl.shape[:2]
+        gx = None
+        if mask[0]:
+            gx = aten.native_group_norm_backward.default(
+                g.flatten(0, 1), xl.flatten(0, 1), mean.flatten(0, 1), rstd.flatten(0, 1), weight, n_local * n,
+                xl.shape[2], a[7], groups, [True, False, False])[0].view(xl.shape)
+        grouped = (n_local, n, groups, -1)  # (L, N, G, C/G * spatial)
+        gg = g.reshape(grouped)
+        gw = gb = None
+        if mask[1]:
+            xhat = (xl.reshape(grouped) - mean.unsqueeze(-1)) * rstd.unsqueeze(-1)
+            gw = (gg * xhat).view(g.shape).flatten(3).sum((1, 3)) if g.dim() > 3 else (gg * xhat).view(
+                g.shape).sum(1)
+        if mask[2]:
+            gb = g.flatten(3).sum((1, 3)) if g.dim() > 3 else g.sum(1)
+        return gx, gw, gb
+    pending = (x.axes[0],) if x.axes[0] is not None else ()
+    outputs = (axes if mask[0] else None, (None,) if mask[1] else None, (None,) if mask[2] else None)
+    reduce = ((), pending if mask[1] else (), pending if mask[2] else ())
+    return Decision(inputs, outputs, kernel, reduce=reduce, single=False)
+
+
+# -- embedding bag ---------------------------------------------------------------------------------------------------
+def _per_device(func, l, a, k, count: int):
+    """`func` on each local device's components (the op's bags and flat indices do not stack), restacked."""
+    outs = []
+    for d in range(count):
+        args, kwargs = replace_tensors(a, k, [t[d] for t in l])
+        outs.append(func(*args, **kwargs))
+    if isinstance(outs[0], torch.Tensor):
+        return torch.stack(outs)
+    return tuple(torch.stack(o) for o in zip(*outs))
+
+
+def _embedding_columns(spec: TensorSpec, emb_dim) -> tuple:
+    """A table-wide tensor (table, gradient, `max` mode's indices) [rows, D]: rows whole, columns as the table's."""
+    return (None, emb_dim) if spec.rank == 2 else (None,)
+
+
+@register(aten._embedding_bag.default, aten._embedding_bag_backward.default)
+def embedding_bag_rule(call: OpCall) -> Decision:
+    """A bag sums (averages, maxes) its rows' columns each on its own: a table sharded on its embedding axis
+    (Megatron's) gives each device its columns of every bag, no collective. The vocabulary axis is gathered, the
+    indices, offsets and bag bookkeeping are read whole by every device (a bag's rows may lie anywhere)."""
+    backward = call.func is aten._embedding_bag_backward.default
+    if backward and arg(call, "sparse"):
+        raise unsupported(call, "a sparse gradient cannot be a DTensor; use sparse=False")
+    wide = call.specs[0]  # the table, or the output's gradient
+    columns = [s.axes[1] for s in call.specs if s.rank == 2 and s.shape == wide.shape]  # and `max` mode's indices
+    emb_dim = next((m for m in columns if m is not None), None)
+    inputs = tuple(_embedding_columns(s, emb_dim) if s is wide or (s.rank == 2 and s.shape == wide.shape)
+                   else (None,) * s.rank for s in call.specs)
+    if backward:
+        outputs = ((None, emb_dim),)
+    else:
+        max_mode = arg(call, "mode") == 2
+        outputs = ((None, emb_dim), (None,), (None,), (None, emb_dim) if max_mode else (None,))
+    n_local = call.num_local
+    return Decision(inputs, outputs, lambda l, a, k: _per_device(call.func, l, a, k, n_local), single=backward)
+
+
+@register(aten._embedding_bag_per_sample_weights_backward.default)
+def embedding_bag_weights_backward_rule(call: OpCall) -> Decision:
+    """Each index' weight's gradient is the dot product of its bag's gradient with its row: over a table
+    sharded on its embedding axis, each device's part of it, pending over that axis' mesh dim."""
+    grad = call.specs[0]
+    emb_dim = grad.axes[1]
+    inputs = ((None, emb_dim), (None, emb_dim)) + tuple((None,) * s.rank for s in call.specs[2:])
+    n_local = call.num_local
+    return Decision(inputs, ((None,),), lambda l, a, k: _per_device(call.func, l, a, k, n_local),
+                    reduce=((emb_dim,),) if emb_dim is not None else ())
+
+
+@register(aten._pdist_forward.default, aten._pdist_backward.default)
+def pdist_rule(call: OpCall) -> Decision:
+    """Distances between every pair of rows: each row meets every other, and a column shard would leave a pending
+    p-norm (a sum only of p-th powers), so the input is replicated; every device computes the result once from
+    its first replica."""
+    n_local = call.num_local
+
+    def kernel(l, a, k):
+        args, kwargs = replace_tensors(a, k, [t[0] for t in l])
+        out = call.func(*args, **kwargs)
+        return out.expand(n_local, *out.shape).contiguous()
+    rank = 1 if call.func is aten._pdist_forward.default else call.specs[1].rank  # distances, or the rows' grad
+    return Decision(tuple((None,) * s.rank for s in call.specs), ((None,) * rank,), kernel)

@@ -1,4 +1,5 @@
-"""Rearrangements within a few axes: `rot90`, `channel_shuffle`, `pixel_shuffle` and `pixel_unshuffle`.
+"""Rearrangements within a few axes: `rot90`, `channel_shuffle`, `pixel_shuffle`, `pixel_unshuffle` and
+`_chunk_cat` (which regroups the trailing axes of several tensors).
 
 Why the rules hold: each moves elements within the axes it names (rot90's two; a shuffle's channel and spatial
 axes) and keeps every other (batch) axis as it is, so those keep their sharding and each device rearranges its
@@ -55,3 +56,15 @@ def pixel_shuffle_rule(call: OpCall) -> Decision:
     axes = spec.axes[:-3] + (channels, None, None)
     op = call.func
     return Decision((axes,), (axes,), lambda l, a, k: op(l[0], r))
+
+
+@register(aten._chunk_cat.default)
+def chunk_cat_rule(call: OpCall) -> Decision:
+    """Each tensor is split in `num_chunks` along `dim` and the i-th chunks concatenated (padded): the axes from
+    `dim` on are whole, the leading (batch) axes, alike in every tensor, keep the first tensor's sharding."""
+    specs = call.specs
+    dim = norm_dim(arg(call, "dim"), specs[0].rank)
+    lead = specs[0].axes[:dim]
+    inputs = tuple(lead + (None,) * (s.rank - dim) for s in specs)
+    return Decision(inputs, (lead + (None, None),),
+                    lambda l, a, k: aten._chunk_cat.default(list(l), dim + 1, arg(call, "num_chunks")))

@@ -3,6 +3,8 @@
 Why the rules hold: with even shards, sum/max/min of the per-shard results is the global sum/max/min, and the
 mean of equal-sized shard means is the global mean, so a sharded reduced axis costs one all-reduce over its
 mesh dim. Reductions that do not decompose that way (var, argmax, prod, ...) first gather the reduced axes.
+A histogram over a given range is a sum (of the shards' histograms); a segment reduction reduces along one axis
+only, so the axes after it keep their sharding.
 Output layout (TF): the input layout without the reduced axes (kept as unsharded with keepdim).
 """
 
@@ -220,8 +222,8 @@ def trace_rule(call: OpCall) -> Decision:
     return Decision(((rows, None),), ((),), kernel, reduce=((rows,),))
 
 
-@register(aten.cumsum.default, aten.cumprod.default, aten.sort.default, aten.sort.stable, aten.topk.default,
-          aten._safe_softmax.default, aten.cummax.default, aten.cummin.default, aten.logcumsumexp.default)
+@register(aten.sort.default, aten.sort.stable, aten._safe_softmax.default, aten.cummax.default,
+          aten.cummin.default)  # cumsum, cumprod, logcumsumexp, topk: engine/rules/scans.py, which delegates here
 @zero_d_as_one_element
 def scan_rule(call: OpCall) -> Decision:
     """Ops along one axis whose every output depends on the whole axis: that axis is gathered, others kept
@@ -241,3 +243,32 @@ def softmax_backward_rule(call: OpCall) -> Decision:
     dim = arg(call, "dim") % grad.rank
     axes = tuple(None if i == dim else m for i, m in enumerate(grad.axes))
     return Decision((axes, axes), (axes,), generic_kernel(call.func, arg_overrides={2: dim + 1}))
+
+
+@register(aten.histc.default)
+def histc_rule(call: OpCall) -> Decision:
+    """With its range given, a histogram of a sharded tensor is the sum of its shards' histograms: a pending sum
+    over the mesh dims sharding the input. With `min = max = 0` torch bins over the data's own range, which
+    every device must see whole: the input is gathered."""
+    x = call.specs[0]
+    data_range = arg(call, "min") == 0 and arg(call, "max") == 0
+    axes = (None,) * x.rank if data_range else x.axes
+    sharded = tuple(m for m in axes if m is not None)
+
+    def kernel(locals_, args, kwargs):  # one histogram per device
+        return torch.stack([aten.histc.default(t, *args[1:], **kwargs) for t in locals_[0]])
+    return Decision((axes,), ((None,),), kernel, reduce=(sharded,) if sharded else ())
+
+
+@register(aten.segment_reduce.default, aten._segment_reduce_backward.default)
+def segment_reduce_rule(call: OpCall) -> Decision:
+    """Segments run along `axis` (their lengths or offsets batched over the axes before it): `axis` and the axes
+    before it are whole, the axes after it keep their sharding, each device reducing its columns' segments; the
+    lengths and offsets are replicated, so their stacked components batch the op over the devices."""
+    data = arg(call, "data")
+    axis = arg(call, "axis") % data.rank
+    axes = (None,) * (axis + 1) + data.axes[axis + 1:]
+    segments = {id(arg(call, n)) for n in ("lengths", "indices", "offsets")}
+    inputs = tuple((None,) * s.rank if id(s) in segments else axes for s in call.specs)
+    kernel = generic_kernel(call.func, kwarg_overrides={"axis": axis + 1})
+    return Decision(inputs, (axes,), kernel)

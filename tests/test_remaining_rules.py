@@ -1,0 +1,254 @@
+"""The last OpInfo ops that ran replicated, now with sharded rules: grid sampling, unpooling, patch extraction
+(unfold/fold), group norm, `_batch_norm_with_update`'s backward, embedding bags, cross products, histograms,
+`_chunk_cat`, `linspace`/`logspace` with tensor endpoints, segment reductions and pdist. Every layout gives plain
+torch's values and gradients, and the axes a model shards stay sharded with exactly the collectives the math
+needs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import spmd
+from spmd import UNSHARDED as U
+from spmd import Layout
+from spmd.engine import dispatch
+from spmd.explain import Recorder
+from tests.sweep import MESH, Const, check_op, rand
+
+aten = torch.ops.aten
+
+
+def _layout(*specs):
+    return Layout(list(specs), MESH)
+
+
+def _issued(fn):
+    with Recorder() as r:
+        out = fn()
+    return out, [(c.kind, c.mesh_dims) for c in r.collectives]
+
+
+def _grid(*shape, seed=5):
+    return rand(*shape, seed=seed).tanh()  # sampling points inside [-1, 1]
+
+
+def _unpool2d(x):
+    return F.max_unpool2d(*F.max_pool2d(x, 2, return_indices=True), 2)
+
+
+def _unpool3d(x):
+    return F.max_unpool3d(*F.max_pool3d(x, 2, return_indices=True), 2)
+
+
+def _batch_norm_with_update(x, w, b, mean, var):
+    return aten._batch_norm_with_update(x, w, b, mean.clone(), var.clone(), 0.1, 1e-5)[0]
+
+
+def _bags(i, w, **kw):
+    """F.embedding_bag of 2-D indices: torch makes their offsets (a plain arange), replicated."""
+    with spmd.implicit_replication():
+        return F.embedding_bag(i, w, **kw)
+
+
+def _idx(*shape, high=10, seed=0):
+    return torch.randint(0, high, shape, generator=torch.Generator().manual_seed(seed))
+
+
+CASES = {
+    "grid_sample_bilinear": (lambda x, g: F.grid_sample(x, g, align_corners=False),
+                             [rand(4, 2, 3, 3), _grid(4, 2, 2, 2)]),
+    "grid_sample_nearest_border": (lambda x, g: F.grid_sample(x, g, mode="nearest", padding_mode="border",
+                                                                        align_corners=False),
+                                   [rand(4, 2, 3, 3), _grid(4, 2, 2, 2)]),
+    "grid_sample_3d": (lambda x, g: F.grid_sample(x, g, align_corners=True),
+                       [rand(2, 2, 2, 3, 2), _grid(2, 2, 2, 2, 3)]),
+    "max_unpool2d": (_unpool2d, [rand(4, 4, 4, 4)]),
+    "max_unpool2d_unbatched": (_unpool2d, [rand(4, 4, 4)]),
+    "max_unpool3d": (_unpool3d, [rand(2, 2, 2, 2, 4)]),
+    "group_norm": (lambda x, w, b: F.group_norm(x, 2, w, b), [rand(4, 4, 3, 2), rand(4, seed=1), rand(4, seed=2)]),
+    "group_norm_no_affine": (lambda x: F.group_norm(x, 4), [rand(4, 4, 2)]),
+    "unfold": (lambda x: F.unfold(x, 2, padding=1), [rand(4, 4, 3, 3)]),
+    "unfold_unbatched": (lambda x: F.unfold(x, (2, 1), stride=2), [rand(4, 4, 4)]),
+    "fold": (lambda c: F.fold(c, (3, 3), 2), [rand(2, 8, 4)]),
+    "fold_channels": (lambda c: F.fold(c, (3, 3), 2), [rand(4, 16, 4)]),
+    "batch_norm_with_update": (_batch_norm_with_update, [rand(4, 4, 3), rand(4, seed=1), rand(4, seed=2),
+                                                          Const(rand(4, seed=3)), Const(rand(4, seed=4).abs() + 1)]),
+    "cross": (lambda a, b: torch.linalg.cross(a, b, dim=1), [rand(4, 3, 4), rand(1, 3, 4, seed=1)]),
+    "cross_broadcast_last": (lambda a, b: torch.linalg.cross(a, b), [rand(4, 2, 3), rand(1, 2, 3, seed=1)]),
+    "chunk_cat": (lambda a, b: torch._chunk_cat([a, b], 1, 2), [Const(rand(4, 4, 2)), Const(rand(4, 6, 2, seed=1))]),
+    "embedding_bag_sum": (lambda w, i: _bags(i, w, mode="sum"), [rand(10, 4), _idx(4, 2)]),
+    "embedding_bag_mean_offsets": (lambda w, i, o: F.embedding_bag(i, w, o, mode="mean"),
+                                   [rand(10, 4), _idx(8), torch.tensor([0, 2, 2, 5])]),
+    "embedding_bag_max_padding": (lambda w, i: _bags(i, w, mode="max", padding_idx=3),
+                                  [rand(10, 4), _idx(4, 2, high=4)]),
+    "embedding_bag_weighted": (lambda w, i, p: _bags(i, w, per_sample_weights=p, mode="sum"),
+                               [rand(10, 4), _idx(4, 2), rand(4, 2, seed=3)]),
+    "segment_sum_lengths": (lambda d, n: torch.segment_reduce(d, "sum", lengths=n),
+                            [rand(6, 4), torch.tensor([1, 2, 3])]),
+    "segment_max_axis1": (lambda d, n: torch.segment_reduce(d, "max", lengths=n, axis=1, unsafe=True),
+                          [rand(2, 4, 4), torch.tensor([[1, 3], [2, 2]])]),
+    "segment_mean_offsets": (lambda d, o: torch.segment_reduce(d, "mean", offsets=o),
+                             [rand(4, 2, 2), torch.tensor([0, 1, 4])]),
+    "pdist": (lambda x: F.pdist(x), [rand(4, 4)]),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_matches_torch_for_every_layout(name):
+    fn, inputs = CASES[name]
+    assert check_op(fn, inputs, sample=24) >= 4
+
+
+@pytest.mark.parametrize("name", ["histc_range", "histc_data_range"])
+def test_histogram_matches_torch_for_every_layout(name):
+    lo, hi = (-1.0, 1.0) if name == "histc_range" else (0, 0)
+    assert check_op(lambda x: torch.histc(x, 5, lo, hi), [rand(4, 4)], grad=False) == 7
+
+
+@pytest.mark.parametrize("fn", [torch.linspace, torch.logspace])
+def test_ranges_with_tensor_endpoints_are_replicated(fn):
+    start, end = spmd.copy_to_mesh(torch.tensor(-1.0), _layout()), spmd.copy_to_mesh(torch.tensor(2.0), _layout())
+    for got, want in [(fn(start, end, 5), fn(torch.tensor(-1.0), torch.tensor(2.0), 5)),
+                      (fn(start, 2.0, 4), fn(torch.tensor(-1.0), 2.0, 4)),
+                      (fn(-1.0, end, 3), fn(-1.0, torch.tensor(2.0), 3))]:
+        assert spmd.fetch_layout(got).sharding_specs == [U]
+        torch.testing.assert_close(spmd.to_global(got), want)
+        assert all(torch.equal(c, want) for c in spmd.unpack(got))
+
+
+# -- collectives -----------------------------------------------------------------------------------------------------
+def _no_fallback(fn):
+    saved = set(dispatch._FELL_BACK)
+    dispatch._FELL_BACK.clear()
+    try:
+        out = fn()
+        assert not dispatch._FELL_BACK, dispatch._FELL_BACK
+        return out
+    finally:
+        dispatch._FELL_BACK.update(saved)
+
+
+def _sharded(x, *specs, grad=False):
+    out = spmd.copy_to_mesh(x, _layout(*specs))
+    return out.requires_grad_() if grad else out
+
+
+def test_batch_sharded_grid_sample_runs_no_collective_and_its_backward_none():
+    x, g = rand(4, 2, 3, 3), _grid(4, 2, 2, 2)
+    dx, dg = _sharded(x, "x", "y", U, U, grad=True), _sharded(g, "x", U, U, U, grad=True)
+    out, forward = _issued(lambda: _no_fallback(lambda: F.grid_sample(dx, dg, align_corners=False)))
+    assert forward == [] and spmd.fetch_layout(out).sharding_specs == ["x", "y", U, U]
+    weights = rand(*out.shape, seed=9)
+    _, backward = _issued(lambda: (out * _sharded(weights, "x", "y", U, U)).sum().backward())
+    assert ("all_reduce", ("y",)) in backward  # the grid's gradient sums over the channel shards
+    xr, gr = x.clone().requires_grad_(), g.clone().requires_grad_()
+    want = F.grid_sample(xr, gr, align_corners=False)
+    (want * weights).sum().backward()
+    torch.testing.assert_close(spmd.to_global(out), want.detach())
+    torch.testing.assert_close(spmd.to_global(dx.grad), xr.grad)
+    torch.testing.assert_close(spmd.to_global(dg.grad), gr.grad)
+
+
+def test_batch_sharded_group_norm_runs_no_collective_and_the_affine_gradients_one_all_reduce_each():
+    x, w, b = rand(4, 4, 3), rand(4, seed=1), rand(4, seed=2)
+    dx = _sharded(x, "x", U, U, grad=True)
+    dw, db = _sharded(w, U, grad=True), _sharded(b, U, grad=True)
+    out, forward = _issued(lambda: _no_fallback(lambda: F.group_norm(dx, 2, dw, db)))
+    assert forward == [] and spmd.fetch_layout(out).sharding_specs == ["x", U, U]
+    _, backward = _issued(lambda: spmd.to_global(out).square().sum().backward())
+    assert sorted(backward) == [("all_reduce", ("x",))] * 2
+    xr, wr, br = (t.clone().requires_grad_() for t in (x, w, b))
+    want = F.group_norm(xr, 2, wr, br)
+    want.square().sum().backward()
+    torch.testing.assert_close(spmd.to_global(out), want.detach())
+    for got, ref in [(dx, xr), (dw, wr), (db, br)]:
+        torch.testing.assert_close(spmd.to_global(got.grad), ref.grad)
+
+
+def test_embedding_bag_over_a_column_sharded_table_runs_no_collective():
+    """Megatron's layout: the table sharded on its embedding axis gives each device its columns of every bag."""
+    w, i = rand(10, 4), _idx(4, 3)
+    dw = _sharded(w, U, "y", grad=True)
+    di = _sharded(i, U, U)
+    for mode in ("sum", "mean", "max"):
+        out, forward = _issued(lambda: _no_fallback(lambda: _bags(di, dw, mode=mode)))
+        assert forward == [] and spmd.fetch_layout(out).sharding_specs == [U, "y"]
+        torch.testing.assert_close(spmd.to_global(out), F.embedding_bag(i, w, mode=mode))
+        _, backward = _issued(lambda: _no_fallback(lambda: out.sum().backward()))
+        assert backward == []
+        wr = w.clone().requires_grad_()
+        F.embedding_bag(i, wr, mode=mode).sum().backward()
+        torch.testing.assert_close(spmd.to_global(dw.grad), wr.grad)
+        assert spmd.fetch_layout(dw.grad).sharding_specs == [U, "y"]
+        dw.grad = None
+
+
+@pytest.mark.parametrize("specs, reads", [(("x", U), [("x",)]), ((U, "y"), [("y",)]),
+                                          (("x", "y"), [("x",), ("y",)])])
+def test_histogram_of_a_sharded_tensor_is_one_all_reduce_when_read(specs, reads):
+    """A pending sum of the shards' histograms, resolved when read (one all-reduce per mesh dim sharding it)."""
+    x = rand(4, 4)
+    dx = _sharded(x, *specs)
+    out, issued = _issued(lambda: _no_fallback(lambda: torch.histc(dx, 6, -1, 1)))
+    assert issued == []
+    got, issued = _issued(lambda: spmd.to_global(out))
+    assert issued == [("all_reduce", dims) for dims in reads]
+    torch.testing.assert_close(got, torch.histc(x, 6, -1, 1))
+
+
+def test_histogram_over_the_data_range_gathers_its_input():
+    dx = _sharded(rand(4, 4), "x", U)
+    out, issued = _issued(lambda: _no_fallback(lambda: torch.histc(dx, 6)))
+    assert issued == [("all_gather", ("x",))] and spmd.fetch_layout(out).sharding_specs == [U]
+    torch.testing.assert_close(spmd.to_global(out), torch.histc(rand(4, 4), 6))
+
+
+def test_cross_keeps_the_other_axes_sharded():
+    a, b = rand(4, 3, 4), rand(4, 3, 4, seed=1)
+    da, db = _sharded(a, "x", U, "y"), _sharded(b, "x", U, "y")
+    out, issued = _issued(lambda: _no_fallback(lambda: torch.linalg.cross(da, db, dim=1)))
+    assert issued == [] and spmd.fetch_layout(out).sharding_specs == ["x", U, "y"]
+    torch.testing.assert_close(spmd.to_global(out), torch.linalg.cross(a, b, dim=1))
+
+
+def test_unfold_and_fold_keep_batch_and_channels_sharded():
+    x = rand(4, 4, 3, 3)
+    dx = _sharded(x, "x", "y", U, U)
+    cols, issued = _issued(lambda: _no_fallback(lambda: F.unfold(dx, 2)))
+    assert issued == [] and spmd.fetch_layout(cols).sharding_specs == ["x", "y", U]
+    back, issued = _issued(lambda: _no_fallback(lambda: F.fold(cols, (3, 3), 2)))
+    assert issued == [] and spmd.fetch_layout(back).sharding_specs == ["x", "y", U, U]
+    torch.testing.assert_close(spmd.to_global(back), F.fold(F.unfold(x, 2), (3, 3), 2))
+
+
+def test_max_unpool_keeps_batch_and_channels_sharded():
+    x = rand(4, 4, 4, 4)
+    dx = _sharded(x, "x", "y", U, U)
+    out, issued = _issued(lambda: _no_fallback(lambda: _unpool2d(dx)))
+    assert issued == [] and spmd.fetch_layout(out).sharding_specs == ["x", "y", U, U]
+    torch.testing.assert_close(spmd.to_global(out), _unpool2d(x))
+
+
+def test_segment_reduce_keeps_the_columns_sharded():
+    d, n = rand(6, 4), torch.tensor([1, 2, 3])
+    dd = _sharded(d, U, "y")
+    out, issued = _issued(lambda: _no_fallback(lambda: torch.segment_reduce(dd, "sum", lengths=_sharded(n, U))))
+    assert issued == [] and spmd.fetch_layout(out).sharding_specs == [U, "y"]
+    torch.testing.assert_close(spmd.to_global(out), torch.segment_reduce(d, "sum", lengths=n))
+
+
+def test_batch_norm_with_update_backward_is_one_all_reduce():
+    x, w, b = rand(4, 4, 3), rand(4, seed=1), rand(4, seed=2)
+    dx = _sharded(x, "x", U, U, grad=True)
+    dw, db = _sharded(w, U, grad=True), _sharded(b, U, grad=True)
+    zeros, ones = torch.zeros(4, dtype=torch.float64), torch.ones(4, dtype=torch.float64)
+    mean, var = _sharded(zeros, U), _sharded(ones, U)
+    out = _no_fallback(lambda: aten._batch_norm_with_update(dx, dw, db, mean, var, 0.1, 1e-5)[0])
+    _, backward = _issued(lambda: _no_fallback(lambda: spmd.to_global(out).square().sum().backward()))
+    assert backward == [("all_reduce", ("x",))]  # the two per-channel sums, stacked
+    xr, wr, br = (t.clone().requires_grad_() for t in (x, w, b))
+    aten._batch_norm_with_update(xr, wr, br, zeros, ones, 0.1, 1e-5)[0].square().sum().backward()
+    for got, ref in [(dx, xr), (dw, wr), (db, br)]:
+        torch.testing.assert_close(spmd.to_global(got.grad), ref.grad)
