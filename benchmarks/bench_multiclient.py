@@ -19,6 +19,7 @@ import json
 import os
 import sys
 import time
+import types
 
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -49,18 +50,15 @@ QUICK_MLP = (16, 32, 2, 4)
 
 # -- the worker (one per client) -------------------------------------------------------------------------------------
 class _TimedDist:
-    """Stands in for `torch.distributed` inside spmd's collectives module: forwards everything, and adds up the
-    time spent in the torch.distributed collective calls (to split spmd's time into the call and the rest)."""
+    """Stands in for `torch.distributed` inside spmd's collectives modules: forwards everything, and adds up the
+    time spent in the torch.distributed calls and in waiting for point-to-point messages (to split spmd's time into
+    the communication and the rest)."""
 
     def __init__(self, dist):
         self._dist = dist
         self.seconds = 0.0
 
-    def __getattr__(self, name):
-        fn = getattr(self._dist, name)
-        if name not in ("all_reduce", "all_gather", "all_to_all_single"):
-            return fn
-
+    def _timed(self, fn):
         def timed(*args, **kwargs):
             t = time.perf_counter()
             try:
@@ -68,6 +66,17 @@ class _TimedDist:
             finally:
                 self.seconds += time.perf_counter() - t
         return timed
+
+    def __getattr__(self, name):
+        fn = getattr(self._dist, name)
+        if name in ("all_reduce", "all_gather", "all_to_all_single"):
+            return self._timed(fn)
+        if name in ("isend", "irecv"):
+            def started(*args, **kwargs):
+                work = self._timed(fn)(*args, **kwargs)
+                return types.SimpleNamespace(wait=self._timed(work.wait))
+            return started
+        return fn
 
 
 def _relayout_cases(n: int, rank: int, mesh, dmesh) -> dict:
@@ -117,6 +126,7 @@ def _relayout_cases(n: int, rank: int, mesh, dmesh) -> dict:
 
 def _relayouts(args, rank, mesh, dmesh) -> dict:
     import spmd.collectives.distributed as sd
+    from spmd.collectives import p2p
     out = {}
     for n in args.sizes:
         cases, ok = _relayout_cases(n, rank, mesh, dmesh)
@@ -126,7 +136,7 @@ def _relayouts(args, rank, mesh, dmesh) -> dict:
         flat = {f"{k}/{v}": fn for k, variants in cases.items() for v, fn in variants.items()}
         res = time_cases(flat, iters, args.reps, warm=warm)
         # where spmd's time goes: the torch.distributed call vs the rest (local combine, write-back, dispatch)
-        timed = sd.dist = _TimedDist(sd.dist)
+        timed = sd.dist = p2p.dist = _TimedDist(sd.dist)
         try:
             split = {}
             for k in KINDS:
@@ -138,7 +148,7 @@ def _relayouts(args, rank, mesh, dmesh) -> dict:
                 total = (time.perf_counter() - t) / iters * 1e6
                 split[k] = {"total": total, "dist_call": timed.seconds / iters * 1e6}
         finally:
-            sd.dist = timed._dist
+            sd.dist = p2p.dist = timed._dist
         out[str(n)] = {"bytes": nbytes, "iters": iters, "results": res, "ok": ok, "split": split}
     return out
 

@@ -113,17 +113,29 @@ class _ToGlobal(torch.autograd.Function):
         return _distribute(grad, ctx.layout)
 
 
+def _move(tensor: DTensor, layout: Layout) -> DTensor:
+    """`tensor` onto `layout`'s mesh. Between multi-client meshes each client receives only the parts of its own
+    target shards; otherwise the shards are assembled once and each target shard is cut once."""
+    src = tensor._layout
+    comm = backend_for(src.mesh)
+    if hasattr(comm, "move") and not layout.mesh.is_fully_local() and not layout.mesh.is_remote() and \
+            src.mesh.torch_device == layout.mesh.torch_device and backend_for(layout.mesh) is comm:
+        return make(comm.move(tensor._local, src.mesh, src.axes, layout.mesh, layout.axes, tuple(tensor.shape)),
+                    layout)
+    return _distribute(_assemble(tensor), layout)
+
+
 class _CrossMesh(torch.autograd.Function):
-    """A DTensor onto another mesh: its shards are assembled once and each target shard is cut once."""
+    """A DTensor onto another mesh (see `_move`)."""
 
     @staticmethod
     def forward(ctx, tensor: DTensor, layout: Layout):
         ctx.source = tensor._layout
-        return _distribute(_assemble(tensor), layout)
+        return _move(tensor, layout)
 
     @staticmethod
     def backward(ctx, grad):
-        return _distribute(_assemble(grad), ctx.source), None
+        return _move(grad, ctx.source), None
 
 
 def pack(tensors: Sequence[Any], layout: Layout) -> DTensor:
@@ -150,7 +162,8 @@ def pack(tensors: Sequence[Any], layout: Layout) -> DTensor:
     if len(tensors) != expected:
         share = "" if mesh.is_fully_local() else (
             f"; this client holds {expected} of the mesh's {mesh.size} devices and packs only their components")
-        raise LayoutError(f"pack expected {expected} components (one per local device of {mesh!r}), "
+        dims = ",".join(f"{n}={k}" for n, k in zip(mesh.dim_names, mesh.shape()))
+        raise LayoutError(f"pack expected {expected} components (one per local device of the mesh {dims}), "
                           f"but got {len(tensors)}{share}")
     components = [t if isinstance(t, torch.Tensor) else torch.as_tensor(t) for t in tensors]
     first = components[0]

@@ -70,7 +70,7 @@ def _check_collectives(dims, per):
     import torch
     import spmd
     from spmd import UNSHARDED as U, Layout
-    from spmd.collectives import InProcessCollectives, backend_for
+    from spmd.collectives import InProcessCollectives, backend_for, p2p
     mesh = spmd.create_distributed_mesh(dims, local_devices=[f"CPU:{i}" for i in range(per)])
     ref_mesh = spmd.create_mesh(dims)  # the same mesh, all devices in this process
     comm, ref = backend_for(mesh), InProcessCollectives()
@@ -93,19 +93,24 @@ def _check_collectives(dims, per):
         for ds in itertools.combinations(names, r):
             for op in ("sum", "avg", "max", "min"):
                 same(f"all_reduce{ds}{op}", comm.all_reduce(x, mesh, ds, op), ref.all_reduce(full, ref_mesh, ds, op)[mine])
-    for d in names:
+    small = p2p.SMALL
+    for d, p2p.SMALL in itertools.product(names, (small, 0)):  # 0: large components' point-to-point path
         k = mesh.dim_size(d)
+        for op in ("sum", "avg", "max", "min"):
+            same(f"all_reduce {d} {op} {p2p.SMALL}", comm.all_reduce(x, mesh, (d,), op),
+                 ref.all_reduce(full, ref_mesh, (d,), op)[mine])
         for axis in (0, 1):
             same(f"all_gather {d} {axis}", comm.all_gather(x, mesh, d, axis), ref.all_gather(full, ref_mesh, d, axis)[mine])
             if local_shape[axis] % k == 0:
                 same(f"shard {d} {axis}", comm.shard(x, mesh, d, axis), ref.shard(full, ref_mesh, d, axis)[mine])
-                for op in ("sum", "max"):
-                    same(f"reduce_scatter {d} {axis} {op}", comm.reduce_scatter(x, mesh, d, axis, op),
+                for op in ("sum", "max", "avg"):
+                    same(f"reduce_scatter {d} {axis} {op} {p2p.SMALL}", comm.reduce_scatter(x, mesh, d, axis, op),
                          ref.reduce_scatter(full, ref_mesh, d, axis, op)[mine])
         for ga, sa in ((0, 1), (1, 0)):
             if local_shape[sa] % k == 0:
-                same(f"all_to_all {d} {ga}->{sa}", comm.all_to_all(x, mesh, d, ga, sa),
+                same(f"all_to_all {d} {ga}->{sa} {p2p.SMALL}", comm.all_to_all(x, mesh, d, ga, sa),
                      ref.all_to_all(full, ref_mesh, d, ga, sa)[mine])
+    p2p.SMALL = small
     xi = (full * 3).to(torch.int64)[mine]
     same("all_reduce int", comm.all_reduce(xi, mesh, (names[0],), "max"),
          ref.all_reduce((full * 3).to(torch.int64), ref_mesh, (names[0],), "max")[mine])
@@ -126,6 +131,19 @@ def _check_collectives(dims, per):
             want = spmd.relayout(spmd.copy_to_mesh(value, Layout(list(src), ref_mesh)), Layout(list(dst), ref_mesh))
             same(f"relayout {src}->{dst}", got._local, want._local[mine])
             same(f"to_global {dst}", spmd.to_global(got), value)
+    # onto another mesh of the same devices (one dim "u"), and back: each client receives only its target parts
+    flat_dims = [("u", mesh.size)]
+    flat = spmd.create_distributed_mesh(flat_dims, mesh_name="flat", local_devices=[f"CPU:{i}" for i in range(per)])
+    ref_flat = spmd.create_mesh(flat_dims, mesh_name="flat")
+    flat_layouts = [s for s in ([U, U], ["u", U], [U, "u"]) if all(n % (mesh.size if a == "u" else 1) == 0
+                                                                    for n, a in zip(shape, s))]
+    for src in layouts:
+        t = spmd.copy_to_mesh(value, Layout(list(src), mesh))
+        ref_t = spmd.copy_to_mesh(value, Layout(list(src), ref_mesh))
+        for dst in flat_layouts:
+            got = spmd.relayout(t, Layout(dst, flat))
+            same(f"cross-mesh {src}->{dst}", got._local, spmd.relayout(ref_t, Layout(dst, ref_flat))._local[mine])
+            same(f"cross-mesh back {dst}->{src}", spmd.relayout(got, Layout(list(src), mesh))._local, t._local)
     # an axis sharded over several mesh dims: permutes, and relayouts to and from every pair (in both orders)
     for ds in itertools.permutations(names, 2):
         same(f"permute {ds}", comm.permute(x, mesh, ds, ds[::-1]), ref.permute(full, ref_mesh, ds, ds[::-1])[mine])
@@ -354,6 +372,68 @@ def multi_mesh():
              "grad_layout": spmd.fetch_layout(table.grad).sharding_specs})
 
 
+class _CountedCalls:
+    """Records (call, elements sent) of each torch.distributed collective spmd's collectives make."""
+    CALLS = ("all_reduce", "all_gather", "all_to_all_single", "isend", "broadcast")
+
+    def __enter__(self):
+        import spmd.collectives.assembly as assembly
+        import spmd.collectives.distributed as distributed
+        import spmd.collectives.p2p as p2p
+        self.modules, self.calls = (assembly, distributed, p2p), []
+        real = distributed.dist
+        calls = self.calls
+
+        class Proxy:
+            def __getattr__(self, name):
+                fn = getattr(real, name)
+                if name not in _CountedCalls.CALLS:
+                    return fn
+
+                def counted(*args, **kwargs):
+                    sent = args[1] if name in ("all_gather", "all_to_all_single") else args[0]
+                    calls.append((name, sent.numel()))
+                    return fn(*args, **kwargs)
+                return counted
+        for m in self.modules:
+            m.dist = Proxy()
+        self.real = real
+        return self
+
+    def __exit__(self, *exc):
+        for m in self.modules:
+            m.dist = self.real
+
+
+def traffic():
+    """The torch.distributed calls (and elements sent) of to_global and of relayouts onto another mesh on a
+    batch x model mesh of 2 clients x 2 devices: only what a client lacks is sent."""
+    import torch
+    import spmd
+    from spmd import UNSHARDED as U, Layout
+    spmd.initialize_accelerator_system("CPU", num_logical_cpu_devices=2)
+    mesh = spmd.create_distributed_mesh([("batch", 2), ("model", 2)])
+    other = spmd.create_distributed_mesh([("e", 4)], mesh_name="other")
+    value = torch.arange(32, dtype=torch.float32).reshape(8, 4)
+    calls, ok = {}, {}
+    for name, layout in (("R", [U, U]), ("S_batch", ["batch", U]), ("S_model", ["model", U]),
+                         ("S_batch_model", ["batch", "model"])):
+        t = spmd.copy_to_mesh(value, Layout(layout, mesh))
+        with _CountedCalls() as c:
+            got = spmd.to_global(t)
+        calls[f"to_global {name}"], ok[f"to_global {name}"] = c.calls, torch.equal(got, value)
+    for name, src, dst in (("rows to rows", ["batch", U], ["e", U]), ("rows to columns", ["batch", U], [U, "e"]),
+                           ("replicated to columns", [U, U], [U, "e"])):
+        t = spmd.copy_to_mesh(value, Layout(src, mesh))
+        with _CountedCalls() as c:
+            got = spmd.relayout(t, Layout(dst, other))
+        want = spmd.unpack(spmd.copy_to_mesh(value, Layout(dst, other)))
+        calls[name] = c.calls
+        ok[name] = all(torch.equal(a, b) for a, b in zip(spmd.unpack(got), want))
+    spmd.barrier(mesh)
+    _result({"calls": calls, "ok": ok})
+
+
 class _CountAllReduce:
     """Counts `torch.distributed.all_reduce` calls (spmd's collectives call it through the module)."""
 
@@ -453,6 +533,23 @@ def fsdp_training():
     mesh = spmd.create_distributed_mesh([("batch", batch), ("model", model)])
     _result({"client": spmd.client_id(), "dp": _fsdp_training(mesh),
              "2d": _fsdp_training(mesh, tensor_parallel=True)})
+
+
+def disagreeing_sizes():
+    """The clients all-gather tensors of different sizes (4 and 8 rows) with SPMD_CHECK_COLLECTIVES=1: every client
+    raises a CollectiveError naming both (without the check, gloo aborts one process)."""
+    import torch
+    import spmd
+    from spmd import UNSHARDED as U, Layout
+    spmd.initialize_accelerator_system("CPU", num_logical_cpu_devices=1)
+    mesh = spmd.create_distributed_mesh([("x", 2)])
+    rows = 4 if spmd.client_id() == 0 else 8
+    t = spmd.pack([torch.ones(rows)], Layout(["x"], mesh))
+    try:
+        spmd.relayout(t, Layout([U], mesh))
+        _result({"error": None})
+    except spmd.CollectiveError as e:
+        _result({"error": str(e), "type": type(e).__name__})
 
 
 def killed_in_backward():

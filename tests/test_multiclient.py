@@ -213,6 +213,19 @@ def test_multi_mesh_embedding():
         assert r["table_grad"] < 1e-9 and r["proj_grad"] < 1e-9 and r["grad_layout"] == ["unsharded", "e"]
 
 
+def test_to_global_and_cross_mesh_send_only_what_is_missing():
+    """to_global sends each distinct shard once (nothing when every client holds them all); a relayout onto another
+    mesh sends each client only the parts of its target shards it lacks (2 clients x 2 devices, 8x4 fp32)."""
+    for r in launch("traffic"):
+        assert all(r["ok"].values()), r["ok"]
+        calls = r["calls"]
+        assert calls["to_global R"] == [] and calls["to_global S_model"] == []  # every client holds every shard
+        assert calls["to_global S_batch"] == [["all_gather", 16]]  # one copy of its 4x4 rows, not one per model
+        assert calls["to_global S_batch_model"] == [["all_gather", 16]]  # its two 4x2 shards
+        assert calls["rows to rows"] == [] and calls["replicated to columns"] == []  # each holds its target rows
+        assert calls["rows to columns"] == [["all_to_all_single", 8]]  # the 4x2 block the other client lacks
+
+
 def test_multiclient_guide_script(tmp_path):
     """The complete program of docs/multiclient.md, as 2 clients."""
     text = (Path(__file__).resolve().parents[1] / "docs" / "multiclient.md").read_text()

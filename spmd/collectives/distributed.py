@@ -12,9 +12,13 @@ A group held entirely by this client needs no communication at all.
 The direct case skips steps 1 and 3: where client `ranks[i]` holds exactly member i of each group (one device
 per client, as under torchrun, or one member per group of several groups), the components go straight into
 the torch.distributed call: `all_reduce` in place on one copy of them, `all_gather` into one buffer whose
-layout is already the result when the gather axis is the leading one (else one movedim+reshape), and
-`all_to_all_single` on the pieces split along dim 0 (after at most one movedim copy each way). Booleans take
-the general path.
+layout is already the result when the gather axis is the leading one (else one movedim+reshape), and, for
+components of `p2p.SMALL` bytes or more, all-to-all and reduce-scatter as one message per piece (p2p.py; a
+reduce-scatter then moves half the data of an all-reduce); smaller ones use one `all_to_all_single`. Booleans
+take the general path.
+
+`to_global` and relayouts onto another mesh send each distinct shard (or the part of it a client lacks) once
+(assembly.py).
 
 Ownership is TF's `create_distributed_mesh` convention: client `r` holds the `L` consecutive global ids
 `r*L .. (r+1)*L-1` (`L = mesh.num_local_devices()`); global device names `/task:<r>/` are used when given.
@@ -26,26 +30,32 @@ compiled graph holds them as ops that inductor may reorder and overlap with comp
 Process groups: one per distinct rank set, created with `dist.new_group` by every client in the same (sorted)
 order the first time a (mesh, dims) pair is used (the creation is collective), and cached by rank set; the
 whole world uses the default group. Failures and timeouts become `spmd.CollectiveError`.
+
+Clients that disagree (a different program, tensors of different sizes) send buffers of different sizes, and gloo
+then aborts the receiving process (SIGABRT) rather than raising. With `SPMD_CHECK_COLLECTIVES=1` (every client must
+set it) each collective first all-gathers a fixed-size summary of what each client sends (the collective, the
+dtype, each device's component shape), so that every client raises a `CollectiveError` naming the difference: one
+more small collective each, hence opt-in.
 """
 
 from __future__ import annotations
 
 import functools
-import re
+import os
+import zlib
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import _disable_current_modes
 
-from spmd.clients import collective_timeout
+from spmd.collectives import assembly, p2p
+from spmd.collectives.groups import (all_gather as _all_gather, const as _const, failure, group as _group,
+                                     owners as _owners, tracing as _tracing, wire as _wire)
 from spmd.collectives.base import Collectives
 from spmd.errors import CollectiveError
-from spmd.layout import axis_dims
 
-_GROUPS: dict[tuple[int, ...], object] = {}
 _OPS = {"sum": "sum", "avg": "sum", "max": "max", "min": "min"}  # avg: a sum, divided after
 
 
@@ -71,27 +81,6 @@ class _Batch:
 class _Plan:
     batches: tuple[_Batch, ...]
     num_local: int
-
-
-def _owners(mesh) -> list[int]:
-    """The rank (client) holding each global device, by row-major position."""
-    n, per = mesh.size, mesh.num_local_devices()
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if mesh.global_devices():
-        owners = [int(re.search(r"/task:(\d+)/", d).group(1)) for d in mesh.global_devices()]
-    elif per and n == per * world:
-        owners = [p // per for p in range(n)]
-    else:
-        raise NotImplementedError(
-            f"spmd cannot tell which client holds which device of {mesh!r}: a multi-client mesh must have "
-            f"{world} clients x {per} local devices = {n} devices (use spmd.create_distributed_mesh)")
-    base = mesh.min_global_device_id()
-    expected = [p + base for p in range(n) if owners[p] == rank]
-    if expected != mesh.local_device_ids():
-        raise NotImplementedError(
-            f"client {rank} holds the devices {mesh.local_device_ids()} of {mesh!r}, but a multi-client mesh gives "
-            f"client r the ids r*L..(r+1)*L-1 (here {expected}); create it with spmd.create_distributed_mesh")
-    return owners
 
 
 @functools.lru_cache(maxsize=1024)
@@ -156,53 +145,35 @@ def _make_plan(mesh, dims: tuple[str, ...]) -> _Plan:
     return _Plan(tuple(batches), mesh.num_local_devices())
 
 
-def _group(ranks: tuple[int, ...]):
-    if len(ranks) == 1:
-        return None
-    if len(ranks) == dist.get_world_size():
-        return dist.group.WORLD
-    if ranks not in _GROUPS:
-        _GROUPS[ranks] = dist.new_group(list(ranks), timeout=collective_timeout())
-    return _GROUPS[ranks]
+def _checking(x: torch.Tensor) -> bool:
+    return os.environ.get("SPMD_CHECK_COLLECTIVES", "") not in ("", "0") and not _tracing(x)
 
 
-def _wire(x: torch.Tensor) -> torch.Tensor:
-    return (x.to(torch.uint8) if x.dtype == torch.bool else x).contiguous()
+_SUMMARY_RANK = 8  # component dims a summary holds (more are folded into the last)
+
+
+def _summary(what: str, x: torch.Tensor) -> torch.Tensor:
+    """int64 [collective, dtype, rank, *component shape padded to _SUMMARY_RANK], on x's device."""
+    shape = list(x.shape[1:])
+    if len(shape) > _SUMMARY_RANK:
+        shape = shape[:_SUMMARY_RANK - 1] + [int(torch.Size(shape[_SUMMARY_RANK - 1:]).numel())]
+    head = [zlib.crc32(what.encode()), zlib.crc32(str(x.dtype).encode()), x.dim() - 1]
+    return torch.tensor(head + shape + [0] * (_SUMMARY_RANK - len(shape)), dtype=torch.int64, device=x.device)
+
+
+def _describe(summary: list[int], names: dict[int, str]) -> str:
+    what, dtype, rank = summary[:3]
+    return f"{names.get(what, 'another collective')} of {names.get(dtype, 'another dtype')} components of shape " \
+           f"{summary[3:3 + min(rank, _SUMMARY_RANK)]}"
 
 
 # the three calls of torch.distributed this backend makes, each eager (into a buffer) or traced (functional)
-def _tracing(x: torch.Tensor) -> bool:
-    return type(x) is not torch.Tensor  # a fake or functional tensor: a trace is recording the ops
-
-
-def _const(index: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """A plan's index tensor on `like`'s device. Inside a trace it is made anew from its values: a trace records a
-    constant it creates, but refuses a real tensor made outside it."""
-    if not _tracing(like):
-        return index.to(like.device)
-    with _disable_current_modes():
-        values = index.tolist()
-    made = torch.tensor(values, dtype=index.dtype, device=like.device)
-    if isinstance(like, FakeTensor) and not isinstance(made, FakeTensor):  # Dynamo flattens its fake values
-        made = like.fake_mode.from_tensor(made)  # outside its fake mode (see DTensor.__tensor_flatten__)
-    return made
-
-
 def _all_reduce(buf: torch.Tensor, op: str, group) -> torch.Tensor:
     """`buf` (contiguous, owned) reduced over `group` with `op` ("sum", "max", "min")."""
     if _tracing(buf):
         return funcol.all_reduce(buf, op, group)
     dist.all_reduce(buf, op=getattr(dist.ReduceOp, op.upper()), group=group)
     return buf
-
-
-def _all_gather(x: torch.Tensor, group, n: int) -> torch.Tensor:
-    """(n, *x.shape): member i's `x` at index i, for the `n` clients of `group`."""
-    if _tracing(x):
-        return funcol.all_gather_tensor(x, 0, group).view((n,) + tuple(x.shape))
-    out = torch.empty((n,) + tuple(x.shape), dtype=x.dtype, device=x.device)
-    dist.all_gather(list(out.unbind(0)), x, group=group)
-    return out
 
 
 def _all_to_all(send: torch.Tensor, group) -> torch.Tensor:
@@ -259,6 +230,7 @@ class DistributedCollectives(Collectives):
         """Starts summing `buf` (flat, contiguous, owned) over the clients of `batch`."""
         def fail(e):
             self._fail(e, "all_reduce(sum) of a gradient bucket", mesh, tuple(dims), batch)
+        self._check_agreement(buf.unsqueeze(0), "all_reduce(sum) of a gradient bucket", mesh, tuple(dims), batch)
         try:
             work = dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=_group(batch.ranks), async_op=True)
         except RuntimeError as e:
@@ -267,13 +239,28 @@ class DistributedCollectives(Collectives):
 
     # -- helpers ---------------------------------------------------------------------------------------------------
     def _fail(self, e: Exception, what: str, mesh, dims, batch: _Batch):
-        rank = dist.get_rank()
-        peers = [r for r in batch.ranks if r != rank]
+        raise failure(e, what, mesh, dims, batch.ranks) from e
+
+    def _check_agreement(self, x, what: str, mesh, dims, batch: _Batch) -> None:
+        """With SPMD_CHECK_COLLECTIVES: raises a CollectiveError on every client of `batch` when they are not all
+        about to run `what` on components of one shape and dtype (see the module's docstring)."""
+        group = _group(batch.ranks)
+        if group is None or not _checking(x):
+            return
+        mine = _summary(what, x)
+        try:
+            every = _all_gather(mine, group, len(batch.ranks)).tolist()
+        except RuntimeError as e:
+            self._fail(e, what, mesh, dims, batch)
+        if all(s == every[0] for s in every):
+            return
+        dtypes = [v for v in vars(torch).values() if isinstance(v, torch.dtype)]
+        names = {zlib.crc32(str(d).encode()): str(d) for d in dtypes} | {zlib.crc32(what.encode()): what}
+        sends = "; ".join(f"client {r}: {_describe(s, names)}" for r, s in zip(batch.ranks, every))
         raise CollectiveError(
-            f"client {rank} of {dist.get_world_size()}: {what} over mesh dim(s) {list(dims)} of mesh "
-            f"{mesh.name + ' ' if mesh.name else ''}{dict(zip(mesh.dim_names, mesh.shape()))} with clients "
-            f"{list(batch.ranks)} failed (waiting for client(s) {peers}; the collective timeout is "
-            f"{collective_timeout().total_seconds():g}s, SPMD_COLLECTIVE_TIMEOUT): {type(e).__name__}: {e}") from e
+            f"client {dist.get_rank()} of {dist.get_world_size()}: the clients {list(batch.ranks)} disagree on a "
+            f"collective over mesh dim(s) {list(dims)} of mesh {dict(zip(mesh.dim_names, mesh.shape()))}: {sends}. "
+            f"Every client must run the same ops on DTensors of the same global shapes and layouts")
 
     def _contributions(self, x, batch: _Batch) -> torch.Tensor:
         """(groups, slots, *local): this client's components of each group, padded with zeros."""
@@ -283,6 +270,7 @@ class DistributedCollectives(Collectives):
 
     def _gather(self, x, mesh, dims, batch: _Batch, what: str) -> torch.Tensor:
         """(groups, k, *local): every member's component of each group, in member order."""
+        self._check_agreement(x, what, mesh, dims, batch)
         mine = self._contributions(x, batch)
         group = _group(batch.ranks)
         if group is None:
@@ -328,10 +316,12 @@ class DistributedCollectives(Collectives):
         plan = _plan(mesh, dims)
         out = None
         for batch in plan.batches:
+            self._check_agreement(x, f"all_reduce({op})", mesh, dims, batch)
             if batch.direct is not None and x.dtype != torch.bool:  # reduce in place on a copy of the components
-                buf = self._direct_in(x, batch, own=True)
-                try:
-                    buf = _all_reduce(buf, _OPS[op], _group(batch.ranks))
+                try:  # (gloo reduces only in place: the copy costs ~15% at 16 MB; copying in chunks that
+                    # overlap the reduction of the previous chunk measured slower, as does a reduce-scatter then
+                    # an all-gather as point-to-point messages)
+                    buf = _all_reduce(self._direct_in(x, batch, own=True), _OPS[op], _group(batch.ranks))
                 except RuntimeError as e:
                     self._fail(e, f"all_reduce({op})", mesh, dims, batch)
                 if op == "avg":
@@ -370,6 +360,7 @@ class DistributedCollectives(Collectives):
         for batch in _plan(mesh, dims).batches:
             if batch.direct is not None and x.dtype != torch.bool:
                 # gather into the rank-major buffer (ranks, groups, *local); member i is client i's
+                self._check_agreement(x, f"all_gather(axis {axis})", mesh, dims, batch)
                 try:
                     buf = _all_gather(self._direct_in(x, batch), _group(batch.ranks), len(batch.ranks))
                 except RuntimeError as e:
@@ -406,6 +397,16 @@ class DistributedCollectives(Collectives):
         k = mesh.dim_size(mesh_dim)
         out = None
         for batch in _plan(mesh, dims).batches:
+            self._check_agreement(x, f"all_to_all(axis {gather_axis} -> {shard_axis})", mesh, dims, batch)
+            if batch.direct is not None and x.dtype != torch.bool and not _tracing(x) and not p2p.small(x):
+                # one message per piece, each received into its place (p2p.py)
+                mine = x if batch.identity else x.index_select(0, _const(batch.direct, x))
+                try:
+                    result = p2p.all_to_all(mine, batch.ranks, _group(batch.ranks), gather_axis, shard_axis)
+                except RuntimeError as e:
+                    self._fail(e, f"all_to_all(axis {gather_axis} -> {shard_axis})", mesh, dims, batch)
+                out = self._direct_out(out, x, result, batch)
+                continue
             if batch.direct is not None and x.dtype != torch.bool:
                 # send (k, groups, *piece): piece i of each component to client i (= member i), then concatenate
                 # what arrives, in client order, along the gather axis
@@ -457,8 +458,22 @@ class DistributedCollectives(Collectives):
         return out
 
     def reduce_scatter(self, x, mesh, mesh_dim, axis, op="sum"):
-        # gloo has no reduce_scatter: all-reduce, then each device keeps its block (a local slice)
-        return self.shard(self.all_reduce(x, mesh, (mesh_dim,), op), mesh, mesh_dim, axis)
+        dims = (mesh_dim,)
+        batches = _plan(mesh, dims).batches
+        if op not in _OPS or x.dtype == torch.bool or _tracing(x) or not batches or \
+                any(b.direct is None for b in batches):
+            # all-reduce, then each device keeps its block (a local slice)
+            return self.shard(self.all_reduce(x, mesh, dims, op), mesh, mesh_dim, axis)
+        out = None  # the direct case: each client receives only the pieces of its own block (p2p.py)
+        for batch in batches:
+            self._check_agreement(x, f"reduce_scatter({op}, axis {axis})", mesh, dims, batch)
+            mine = x if batch.identity else x.index_select(0, _const(batch.direct, x))
+            try:
+                result = p2p.reduce_scatter(mine, batch.ranks, _group(batch.ranks), axis, op)
+            except RuntimeError as e:
+                self._fail(e, f"reduce_scatter({op}, axis {axis})", mesh, dims, batch)
+            out = self._direct_out(out, x, result, batch)
+        return out
 
     def permute(self, x, mesh, from_dims, to_dims):
         # each group gathers its members' components (in `from_dims` order) and every device keeps the one its
@@ -478,11 +493,12 @@ class DistributedCollectives(Collectives):
         return out
 
     def assemble(self, x, mesh, axes):
-        for a, axis in enumerate(axes):  # gather every sharded axis, minor dim first: each client then holds
-            for name in reversed(axis_dims(axis)):  # the global value
-                if mesh.dim_size(name) > 1:
-                    x = self.all_gather(x, mesh, name, a)
-        return x[0].clone()
+        return assembly.assemble(x, mesh, axes)  # each distinct shard sent once, by one client holding it
+
+    def move(self, x, mesh, axes, dst_mesh, dst_axes, shape):
+        """The components of `x` (by `axes` on `mesh`) laid out by `dst_axes` on `dst_mesh`, another multi-client
+        mesh on the same torch device: each client receives only the parts of its own target shards."""
+        return assembly.move(x, mesh, axes, dst_mesh, dst_axes, shape)
 
 
 __all__ = ["DistributedCollectives"]
