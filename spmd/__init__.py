@@ -11,8 +11,8 @@ from spmd.data import DTensorDataset, create_dtensor_iterable
 from spmd.engine.dispatch import cache_stats
 from spmd.dtensor import DTensor, check_layout, fetch_layout, is_dtensor
 from spmd.explain import CollectiveRecord, Explanation
-from spmd.errors import (CollectiveError, IndivisibleError, LayoutError, MeshMismatchError, MixedTensorError,
-                         TraceError, UnsupportedOpError)
+from spmd.errors import (CheckpointError, CollectiveError, IndivisibleError, LayoutError, MeshMismatchError,
+                         MixedTensorError, TraceError, UnsupportedOpError)
 from spmd.layout import MATCH, UNSHARDED, Layout
 from spmd.mesh import Mesh, MeshDimension, create_mesh
 from spmd import runtime
@@ -39,6 +39,6 @@ __all__ = [
     "LayoutMap", "distribute_module", "Strategy", "no_sync", "visualize",
     "runtime", "initialize_accelerator_system", "shutdown_accelerator_system", "client_id", "num_clients",
     "job_name", "local_devices", "num_local_devices", "num_global_devices", "create_distributed_mesh", "barrier",
-    "CollectiveError", "function", "Function", "Explanation", "CollectiveRecord", "TraceError",
+    "CheckpointError", "CollectiveError", "function", "Function", "Explanation", "CollectiveRecord", "TraceError",
     "Controller", "interop", "to_torch_dtensor", "from_torch_dtensor", "to_jax_array", "from_jax_array",
 ]

@@ -17,15 +17,30 @@ the state dict: they are saved as their `state_dict()` and restored with `load_s
 has not stepped yet gets its state tensors from the checkpoint (laid out like their parameters).
 
 A save writes into a hidden temporary directory next to `path` and renames it into place only after DCP has
-written every shard and the metadata, so an interrupted save never leaves a `path` that loads.
+written every shard and the metadata, so an interrupted save never leaves a `path` that loads. A save that was
+killed leaves that directory behind (`.NAME.tmp-HOST-PID-ID`); the next successful save of `NAME` removes it once it
+is stale: its process (on this host) no longer runs, or nothing in it changed for `SPMD_CHECKPOINT_STALE_AFTER`
+seconds (default 3600: a save in progress keeps writing; another host's process cannot be asked).
+
+A state dict holding controller DTensors (single-controller mode) is saved and loaded by the workers, each running
+`save`/`load` as one client of a multi-client run (spmd/controller/checkpoint.py): the same files, and nothing
+through the controller.
+
+A load reads through `_Reader`, which names the checkpoint and the file when a file is missing, truncated or not
+what DCP wrote (`spmd.errors.CheckpointError`) instead of passing on pickle's or torch's bare error.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import pickle
+import re
 import shutil
+import socket
+import time
 import uuid
+import zlib
 import warnings
 from pathlib import Path
 from typing import Mapping, MutableMapping
@@ -34,10 +49,10 @@ import torch
 
 from spmd.clients import collective_timeout
 from spmd.dtensor import DTensor
-from spmd.errors import CollectiveError
+from spmd.errors import CheckpointError, CollectiveError
 from spmd.shards import Block, block_at, create_write_items, local_blocks  # Block, local_blocks: public here too
 
-__all__ = ["save", "load", "is_checkpoint", "SavePlanner", "LoadPlanner", "Block", "local_blocks"]
+__all__ = ["save", "load", "is_checkpoint", "SavePlanner", "LoadPlanner", "Block", "local_blocks", "CheckpointError"]
 
 _METADATA = ".metadata"  # the file DCP's FileSystemWriter writes last
 
@@ -94,7 +109,7 @@ def _planner_classes():
             super().set_up_planner(state_dict, metadata, is_coordinator)
             for value in self.state_dict.values():
                 if isinstance(value, DTensor) and _overlaps(value._local):
-                    value._local = value._local.clone(memory_format=torch.contiguous_format)
+                    value._settle(value._local.clone(memory_format=torch.contiguous_format))
 
         def create_local_plan(self):
             _check_against(self.state_dict, self.metadata, strict=not self.allow_partial_load)
@@ -148,6 +163,69 @@ def _planner_classes():
 
 
 _PLANNERS = None
+
+
+# -- reading, with errors that name the file -------------------------------------------------------------------------
+def _reader(path: Path):
+    """A `FileSystemReader` of `path` whose read errors name the checkpoint and the file (see `_damaged`)."""
+    global _READER
+    if _READER is None:
+        from torch.distributed.checkpoint import FileSystemReader
+        from torch.futures import Future
+
+        class _Reader(FileSystemReader):
+            def read_metadata(self, *args, **kwargs):
+                try:
+                    return super().read_metadata(*args, **kwargs)
+                except Exception as e:  # noqa: BLE001 - unpickling garbage (or another object) raises almost anything
+                    raise _damaged(self.path, _METADATA, e) from e
+
+            def read_data(self, plan, planner):
+                # one file at a time, so that an error names its file
+                by_file: dict[str, list] = {}
+                for item in plan.items:
+                    by_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+                for name, items in by_file.items():
+                    try:
+                        super().read_data(dataclasses.replace(plan, items=items), planner).wait()
+                    except (EOFError, pickle.UnpicklingError, OSError, RuntimeError, AssertionError) as e:
+                        if isinstance(e, (RuntimeError, AssertionError)) and not _UNREADABLE.search(str(e)):
+                            raise  # not a damaged file
+                        raise _damaged(self.path, name, e, self._ends(name)) from e
+                done: Future = Future()
+                done.set_result(None)
+                return done
+
+            def _ends(self, name: str) -> int:
+                """The size `name` must have: the end of the last item stored in it."""
+                return max((info.offset + info.length for info in self.storage_data.values()
+                            if info.relative_path == name), default=0)
+
+        _READER = _Reader
+    return _READER(str(path))
+
+
+_READER = None
+# torch.load's words for a shard that is not a complete zip archive, and DCP's for a chunk of the wrong size
+_UNREADABLE = re.compile(r"PytorchStreamReader|miniz|zip archive|mismatch sizes")
+
+
+def _damaged(root, name: str, error: BaseException, size: int | None = None) -> CheckpointError:
+    """The error for a checkpoint file that cannot be read: missing, shorter than `size`, or corrupted."""
+    file = Path(root) / name
+    if not file.exists():
+        what = "is missing"
+    elif size and file.stat().st_size < size:
+        what = f"is truncated ({file.stat().st_size:,} of {size:,} bytes)"
+    else:
+        what = "is corrupted"
+    return CheckpointError(f"cannot read the checkpoint at {str(root)!r}: its file {name!r} {what} "
+                           f"({type(error).__name__}: {_first_sentence(error)}); the checkpoint is damaged (an "
+                           f"interrupted copy or a full disk?): load an earlier one")
+
+
+def _first_sentence(error: BaseException) -> str:
+    return (str(error) or "end of file").split(". ")[0]
 
 
 def __getattr__(name: str):
@@ -377,7 +455,8 @@ def save(state_dict: dict, path) -> None:
     processes (an initialised `torch.distributed` process group) each writes the shards of its own devices.
     The checkpoint is written into a hidden directory next to `path` and renamed to `path` only once complete:
     a save that fails or is interrupted leaves no `path` (nor, when it fails, the temporary directory), and a
-    checkpoint already at `path` is only replaced by a complete one.
+    checkpoint already at `path` is only replaced by a complete one. The temporary directories of earlier saves
+    of `path` that were killed are removed once stale (see the module's docstring).
 
     Raises:
       FileExistsError: `path` exists and is not a checkpoint (it is never overwritten).
@@ -389,17 +468,22 @@ def save(state_dict: dict, path) -> None:
     path = Path(path)
     if path.exists() and not is_checkpoint(path):
         raise FileExistsError(f"{path} exists and is not a checkpoint; spmd.checkpoint.save will not overwrite it")
+    plain = _plain(state_dict)
+    session = _controller_session(plain)
+    if session is not None:  # controller DTensors: their workers write the shards (spmd/controller/checkpoint.py)
+        return session.checkpoint_save(plain, path)
     clients = _Clients()
-    token = clients.broadcast(uuid.uuid4().hex[:12] if clients.is_coordinator else None)
+    token = clients.broadcast(_token() if clients.is_coordinator else None)
     tmp = path.parent / f".{path.name}.tmp-{token}"
     path.parent.mkdir(parents=True, exist_ok=True)
     error = None
     try:
         with _dcp_call():
-            dcp.save(_plain(state_dict), storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True),
+            dcp.save(plain, storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True),
                      planner=SavePlanner())
         if clients.is_coordinator:
             _publish(tmp, path, token)
+            _remove_stale(path)
     except BaseException as e:  # noqa: BLE001 - reported below, after the clients agree on the outcome
         error = e
     # every client learns whether all succeeded (this is also the barrier after the rename: when save returns,
@@ -443,6 +527,48 @@ def _publish(tmp: Path, path: Path, token: str) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def _token() -> str:
+    """HOST-PID-ID, naming a save's temporary directory: a later save can tell that the process is gone."""
+    return f"{_HOST}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+
+
+_HOST = f"{zlib.crc32(socket.gethostname().encode()):08x}"
+
+
+def _remove_stale(path: Path) -> None:
+    """Removes what killed saves of `path` left next to it (`.NAME.tmp-*`, and `.NAME.old-*` of a save killed
+    while it replaced a checkpoint) once stale: the process that wrote it, on this host, is gone, or nothing in
+    it changed for `SPMD_CHECKPOINT_STALE_AFTER` seconds."""
+    pattern = re.compile(rf"\.{re.escape(path.name)}\.(?:tmp|old)-(?:([0-9a-f]{{8}})-(\d+)-)?[0-9a-f]+")
+    stale_after = float(os.environ.get("SPMD_CHECKPOINT_STALE_AFTER", 3600))
+    for entry in path.parent.iterdir():
+        match = pattern.fullmatch(entry.name)
+        if match is None or not entry.is_dir():
+            continue
+        host, pid = match.groups()
+        gone = host == _HOST and not _alive(int(pid))
+        if gone or time.time() - _last_change(entry) > stale_after:
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except PermissionError:  # another user's process
+        return True
+    except (ProcessLookupError, OverflowError):
+        return False
+    return True
+
+
+def _last_change(directory: Path) -> float:
+    """The newest modification time of `directory` and its files."""
+    times = [directory.stat().st_mtime]
+    with os.scandir(directory) as entries:
+        times += [e.stat(follow_symlinks=False).st_mtime for e in entries]
+    return max(times)
+
+
 def load(state_dict: dict, path, *, strict: bool = True) -> None:
     """Loads the checkpoint at `path` into `state_dict` in place, each tensor in its own layout.
 
@@ -454,6 +580,7 @@ def load(state_dict: dict, path, *, strict: bool = True) -> None:
 
     Raises:
       FileNotFoundError: no complete checkpoint at `path`.
+      CheckpointError: a file of the checkpoint is missing, truncated or corrupted (naming the checkpoint and it).
       KeyError: (with `strict`) an entry of `state_dict` that the checkpoint lacks, named by its dotted key.
       ValueError: a tensor whose shape differs from the saved one (naming it and both shapes), or a tensor where
         a non-tensor value was saved and vice versa.
@@ -467,18 +594,40 @@ def load(state_dict: dict, path, *, strict: bool = True) -> None:
     if not is_checkpoint(path):
         what = "does not exist" if not path.exists() else f"has no {_METADATA} file (not a complete checkpoint)"
         raise FileNotFoundError(f"no checkpoint at {path}: it {what}")
-    reader = dcp.FileSystemReader(str(path))
+    reader = _reader(path)
     metadata = reader.read_metadata()
     on_load: list = []
     template = _plain(state_dict, on_load, metadata)
-    flat, _ = flatten_state_dict(template)
+    flat, mappings = flatten_state_dict(template)
     _check_against(flat, metadata, strict, str(path))
+    session = _controller_session(flat)
+    if session is not None:  # controller DTensors: their workers read the shards (spmd/controller/checkpoint.py)
+        session.checkpoint_load(flat, mappings, template, path, strict)
+    else:
+        _load_here(dcp, template, reader, LoadPlanner(allow_partial_load=not strict), path)
+    _restore(on_load + [(state_dict, template)] if isinstance(state_dict, MutableMapping) else on_load)
+
+
+def _load_here(dcp, template: dict, reader, planner, path: Path) -> None:
+    """DCP's load of `template` by this process (and the other clients, with a process group)."""
     clients = _Clients()
     try:
         with _dcp_call():
-            dcp.load(template, storage_reader=reader, planner=LoadPlanner(allow_partial_load=not strict))
+            dcp.load(template, storage_reader=reader, planner=planner)
     except RuntimeError as e:
         if clients.dist is not None and _is_lost_peer(e):
             raise clients.lost("load", path, e) from e
         raise
-    _restore(on_load + [(state_dict, template)] if isinstance(state_dict, MutableMapping) else on_load)
+
+
+def _controller_session(state):
+    """The session of the single-controller mesh (spmd.controller) of the first DTensor in `state` (nested dicts,
+    lists, tuples) that has one: its workers hold the components. None when there is none."""
+    if isinstance(state, DTensor):
+        return state._layout.mesh.remote
+    children = state.values() if isinstance(state, Mapping) else state if isinstance(state, (list, tuple)) else ()
+    for child in children:
+        session = _controller_session(child)
+        if session is not None:
+            return session
+    return None

@@ -46,6 +46,9 @@ def _target(shape: Sequence[int], layout: Layout | None) -> Layout | None:
     if layout.rank != len(shape):
         raise LayoutError(f"shape {list(shape)} (rank {len(shape)}) does not match layout {layout.sharding_specs} "
                           f"of rank {layout.rank}")
+    if any(s < 0 for s in shape):  # torch's error, naming the global shape (not the stacked components')
+        negative = next(s for s in shape if s < 0)
+        raise RuntimeError(f"Trying to create tensor with negative dimension {negative}: {list(shape)}")
     layout.check_divisible(shape)
     return layout
 

@@ -9,6 +9,9 @@ one load, and each DTensor is built from per-device components, so a sharded bat
 Rows are numbered as plain batching would number them: global batch `k` holds rows `k*G .. (k+1)*G - 1` and the
 remainder is dropped (TF's `drop_remainder=True`); shard `s` of a batch axis split `n` ways holds the `s`-th
 contiguous block of `G // n` rows, as TF's per-replica batching followed by concatenation does.
+
+On a controller mesh (spmd.controller) the workers hold the devices: the dataset is sent to them and they make the
+batches (spmd/controller/datasets.py); the controller's DTensorDataset only yields their shadows.
 """
 
 from __future__ import annotations
@@ -219,6 +222,8 @@ class DTensorDataset:
                                        f"{[G, *row_shape]}, layout {layout.sharding_specs}) cannot be sharded: "
                                        f"{e}") from None
         self._plan = self._make_plan()
+        # a controller mesh (spmd.controller): the workers read the rows and make the batches
+        self._workers = None if mesh.remote is None else mesh.remote.dataset_on_workers(self)
 
     # -- setup -----------------------------------------------------------------------------------------------------
     def _peek(self):
@@ -322,6 +327,8 @@ class DTensorDataset:
         return n // self._elements_per_batch
 
     def __iter__(self) -> Iterator:
+        if self._workers is not None:
+            return self._workers.batches()
         batches = self._batches()
         return _Prefetcher(batches, self._prefetch) if self._prefetch else batches
 

@@ -33,3 +33,8 @@ class CollectiveError(RuntimeError):
 class TraceError(RuntimeError):
     """`spmd.function` could not trace a function as one graph (e.g. Python control flow on a DTensor's values);
     the message names the reason and the line of the user's function."""
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be read: a file of it is missing, truncated or corrupted; the message names the
+    checkpoint and the file."""

@@ -384,8 +384,12 @@ def create_mesh(mesh_dims: Sequence[tuple[str, int]] | dict[str, int] | None = N
     """
     dims = list(mesh_dims.items()) if isinstance(mesh_dims, dict) else list(mesh_dims or [])
     for dim in dims:
-        if not (isinstance(dim, (tuple, list)) and len(dim) == 2 and isinstance(dim[1], int)):
+        if not (isinstance(dim, (tuple, list)) and len(dim) == 2 and isinstance(dim[0], str)
+                and isinstance(dim[1], int) and not isinstance(dim[1], bool)):
             raise LayoutError(f"mesh_dims must be (name, size) pairs or a dict, got {mesh_dims!r}")
+        if dim[1] == 0 or dim[1] < -1:
+            raise LayoutError(f"mesh dimension {dim[0]!r} has size {dim[1]}: sizes must be positive (or -1 once, "
+                              f"for all the devices left), got mesh_dims {mesh_dims!r}")
     wanted_type = _device_type(device_type, device_type) if device_type else None
     if devices is None:
         devices = _default_devices(dims, wanted_type or "CPU")
@@ -395,6 +399,8 @@ def create_mesh(mesh_dims: Sequence[tuple[str, int]] | dict[str, int] | None = N
     if not dims:
         dims = [("x", len(devices))]
     free = [i for i, (_, size) in enumerate(dims) if size == -1]
+    if len(free) > 1:
+        raise LayoutError(f"only one mesh dimension may have size -1 (all the devices left), got mesh_dims {dims}")
     known = math.prod(s for _, s in dims if s != -1)
     if len(free) == 1 and known > 0 and len(devices) % known == 0:
         dims[free[0]] = (dims[free[0]][0], len(devices) // known)

@@ -7,6 +7,7 @@ exactly its own shard, and gives the same global tensor for every layout, mesh a
 from __future__ import annotations
 
 import math
+import operator
 from typing import Sequence
 
 import torch
@@ -39,6 +40,8 @@ def _key(seed, stream: int) -> int:
     if isinstance(seed, torch.Tensor):
         seed = seed.tolist()
     parts = list(seed) if isinstance(seed, (list, tuple)) else [seed]
+    if not parts or not all(isinstance(p, int) or hasattr(p, "__index__") for p in parts):
+        raise TypeError(f"seed must be an int or a pair of ints (as TF's seed=(1, 2)), got {seed!r}")
     key = 0x5EED
     for p in parts + [stream]:
         key = int(_mix(torch.tensor([_signed(key * 0x100000001B3 ^ int(p))]))[0])
@@ -102,7 +105,13 @@ def truncated01(index: torch.Tensor, seed, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _generate(shape, layout: Layout | None, device, fn):
-    shape = tuple(int(s) for s in shape)
+    try:
+        shape = tuple(operator.index(s) for s in shape)
+    except TypeError:
+        raise TypeError(f"shape must be a sequence of ints, got {shape!r}") from None
+    if any(s < 0 for s in shape):  # torch's error for a negative size, before arange's about its step
+        negative = next(s for s in shape if s < 0)
+        raise RuntimeError(f"Trying to create tensor with negative dimension {negative}: {list(shape)}")
     if layout is None:
         index = torch.arange(math.prod(shape), dtype=torch.int64, device=device).view(shape)
         return fn(index)
@@ -131,9 +140,13 @@ def stateless_uniform(shape: Sequence[int], seed, minval=0, maxval=None, dtype=t
         if maxval is None:
             raise ValueError("stateless_uniform with an integer dtype needs maxval")
         span = int(maxval) - int(minval)
+        if span <= 0:
+            raise ValueError(f"stateless_uniform needs minval < maxval, got minval={minval} and maxval={maxval}")
         return _generate(shape, layout, device, lambda i: ((uniform_bits(i, _key(seed, 0)) >> 1) % span
                                                            + int(minval)).to(dtype))
     maxval = 1 if maxval is None else maxval
+    if minval > maxval:
+        raise ValueError(f"stateless_uniform needs minval <= maxval, got minval={minval} and maxval={maxval}")
     return _generate(shape, layout, device,
                      lambda i: uniform01(i, _key(seed, 0), dtype) * (maxval - minval) + minval)
 

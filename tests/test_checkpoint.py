@@ -258,6 +258,8 @@ def test_a_killed_save_leaves_no_checkpoint(tmp_path):
     assert not ck.is_checkpoint(tmp_path / leftovers[0])
     with pytest.raises(FileNotFoundError):
         ck.load({"w": torch.zeros(4)}, tmp_path / "c")
+    ck.save({"w": torch.ones(4)}, tmp_path / "c")  # the killed save's process is gone: its leftovers go
+    assert os.listdir(tmp_path) == ["c"]
 
 
 def test_save_never_overwrites_something_that_is_not_a_checkpoint(tmp_path):
@@ -432,3 +434,13 @@ def test_doc_examples():
                                              optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE, globs={})
     assert attempted >= 10
     assert failed == 0, f"{failed} of {attempted} examples of {DOC.name} failed (see the output above)"
+
+
+def test_load_into_expanded_replicated_components(tmp_path):
+    """Components sharing one storage (an expanded replicated stack) get their own memory before the load."""
+    from spmd.dtensor import make
+    mesh = spmd.create_mesh([("x", 4)])
+    ck.save({"t": spmd.copy_to_mesh(torch.arange(3.), Layout.replicated(mesh, 1))}, tmp_path / "c")
+    target = make(torch.ones(1, 3).expand(4, 3), Layout.replicated(mesh, 1))
+    ck.load({"t": target}, tmp_path / "c")
+    assert [c.tolist() for c in spmd.unpack(target)] == [[0.0, 1.0, 2.0]] * 4

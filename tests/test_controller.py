@@ -220,6 +220,109 @@ def test_mlp_trains_like_one_process(mesh):
     assert losses == pytest.approx(expected, rel=1e-5, abs=1e-6)
 
 
+def _mlp_layouts(mesh, names=("batch", "model")):
+    return spmd.LayoutMap({"fc1.weight": Layout([names[1], U], mesh), "fc1.bias": Layout([names[1]], mesh),
+                           "fc2.weight": Layout([U, names[1]], mesh)})
+
+
+def _step(model, opt, batch, to_input) -> float:
+    x, y = batch
+    loss = F.mse_loss(model(to_input(x)), to_input(y))
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.item()
+
+
+def _global(t):
+    return spmd.to_global(t) if isinstance(t, spmd.DTensor) else t
+
+
+def _assert_same_training_state(model, opt, other, other_opt):
+    for (name, p), q in zip(model.named_parameters(), other.parameters()):
+        torch.testing.assert_close(_global(p), _global(q), msg=name)
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            torch.testing.assert_close(_global(opt.state[p][key]), _global(other_opt.state[q][key]))
+
+
+def test_checkpoint_saved_by_the_workers_loads_in_local_mode(ctl, mesh, tmp_path):
+    torch.manual_seed(0)
+    batches = [(torch.randn(8, 16), torch.randn(8, 4)) for _ in range(2)]
+    model = MLP()
+    spmd.distribute_module(model, mesh, _mlp_layouts(mesh))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    to_input = lambda t: spmd.copy_to_mesh(t, Layout(["batch", U], mesh))  # noqa: E731
+    _step(model, opt, batches[0], to_input)
+    before = ctl.traffic()
+    spmd.checkpoint.save({"model": model, "optim": opt, "epoch": 1}, tmp_path / "ckpt")
+    assert ctl.traffic() == before  # each worker wrote its own shards: no component came to the controller
+    assert sorted(os.listdir(tmp_path / "ckpt")) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    local_mesh = spmd.create_mesh([("x", 2), ("y", 2)])  # local mode, other layouts: resharded on load
+    local = MLP()
+    spmd.distribute_module(local, local_mesh, _mlp_layouts(local_mesh, ("y", "x")))
+    local_opt = torch.optim.Adam(local.parameters(), lr=1e-2)
+    state = {"model": local, "optim": local_opt, "epoch": 0}
+    spmd.checkpoint.load(state, tmp_path / "ckpt")
+    assert state["epoch"] == 1
+    _assert_same_training_state(model, opt, local, local_opt)
+    assert _step(local, local_opt, batches[1], lambda t: spmd.copy_to_mesh(t, Layout(["x", U], local_mesh))) == \
+        pytest.approx(_step(model, opt, batches[1], to_input), rel=1e-6)
+
+
+def test_local_checkpoint_loads_on_the_workers(ctl, mesh, tmp_path):
+    torch.manual_seed(1)
+    local = MLP()
+    local_opt = torch.optim.Adam(local.parameters(), lr=1e-2)  # plain torch: local mode
+    batch = (torch.randn(8, 16), torch.randn(8, 4))
+    _step(local, local_opt, batch, lambda t: t)
+    spmd.checkpoint.save({"model": local, "optim": local_opt, "epoch": 7}, tmp_path / "ckpt")
+    model = MLP()
+    spmd.distribute_module(model, mesh, _mlp_layouts(mesh))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)  # fresh: its state comes from the checkpoint
+    state = {"model": model, "optim": opt, "epoch": 0}
+    before = ctl.traffic()
+    spmd.checkpoint.load(state, tmp_path / "ckpt")
+    assert ctl.traffic() == before  # each worker read its own shards
+    assert state["epoch"] == 7 and isinstance(opt.state[model.fc1.weight]["exp_avg"], RemoteDTensor)
+    _assert_same_training_state(local, local_opt, model, opt)
+    batch = (torch.randn(8, 16), torch.randn(8, 4))
+    assert _step(model, opt, batch, lambda t: spmd.copy_to_mesh(t, Layout(["batch", U], mesh))) == \
+        pytest.approx(_step(local, local_opt, batch, lambda t: t), rel=1e-6)
+    with pytest.raises(KeyError, match="bias"):  # errors are raised on the controller, naming the entry
+        spmd.checkpoint.load({"bias": spmd.zeros(4, layout=Layout(["batch"], mesh))}, tmp_path / "ckpt")
+
+
+def test_dataset_batches_are_made_on_the_workers(ctl, mesh):
+    torch.manual_seed(2)
+    xs, ys = torch.randn(40, 16), torch.randn(40, 4)
+    model = MLP()
+    reference = MLP()
+    reference.load_state_dict(model.state_dict())
+    expected = _train(reference, [(xs[i:i + 8], ys[i:i + 8]) for i in range(0, 40, 8)], lambda t: t)
+    spmd.distribute_module(model, mesh, _mlp_layouts(mesh))
+    ds = spmd.DTensorDataset(torch.utils.data.TensorDataset(xs, ys), mesh=mesh, global_batch_size=8,
+                             layouts=(Layout(["batch", U], mesh), Layout(["batch", U], mesh)), batch_dim="batch")
+    before = ctl.traffic()
+    losses = _train(model, ds, lambda t: t)
+    assert ctl.traffic() == before  # the workers read the rows: none went through the controller
+    assert losses == pytest.approx(expected, rel=1e-5, abs=1e-6)
+    x, y = next(iter(ds))
+    assert isinstance(x, RemoteDTensor) and spmd.to_global(y).tolist() == ys[:8].tolist()
+
+
+def test_dataset_without_a_length_and_one_that_cannot_be_sent(mesh):
+    import functools
+    import operator
+    from torch.utils.data.datapipes.iter import IterableWrapper
+    rows = IterableWrapper(range(10)).filter(functools.partial(operator.le, 0))  # picklable, no len()
+    ds = spmd.DTensorDataset(rows, mesh=mesh, layouts=Layout(["batch"], mesh), global_batch_size=4,
+                             batch_dim="batch")
+    assert [spmd.to_global(b).tolist() for b in ds] == [[0, 1, 2, 3], [4, 5, 6, 7]]  # the remainder is dropped
+    with pytest.raises(ControllerError, match="cannot be pickled.*sent to every worker"):
+        spmd.DTensorDataset((i for i in range(8)), mesh=mesh, layouts=Layout(["batch"], mesh), global_batch_size=4,
+                            batch_dim="batch")
+
+
 def test_worker_error_surfaces_naming_the_op(ctl, mesh):
     table = spmd.copy_to_mesh(torch.randn(10, 4), Layout.replicated(mesh, 2))
     bad = spmd.copy_to_mesh(torch.tensor([1, 99]), Layout.replicated(mesh, 1))  # 99: out of range, data only

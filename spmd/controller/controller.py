@@ -92,6 +92,11 @@ class Controller:
         """Per worker, how many DTensors it holds (dropped controller DTensors are freed with the next message)."""
         return [info["handles"] for info in self._session.call("info")]
 
+    def traffic(self) -> dict[str, int]:
+        """Bytes of components that went through the controller so far: `sent` to the workers (`copy_to_mesh`,
+        factories, `pack`; a replicated value counted once) and `fetched` from them (`to_global`, `unpack`...)."""
+        return dict(self._session.traffic)
+
     def shutdown(self) -> None:
         """Stops every worker process; the controller's DTensors become unusable. Idempotent."""
         if self._session.closed and self._engine is None:

@@ -16,8 +16,9 @@ import torch
 from spmd.layout import Layout
 
 # instruction kinds: ("op", op_name, args, kwargs, out_handles), ("put", handle, layout_ref, shape, stack,
-# replicated_value), ("mesh", mesh_id, dims, name), ("call", function_name, args): a value sent back
-OP, PUT, MESH, CALL = "op", "put", "mesh", "call"
+# replicated_value), ("mesh", mesh_id, dims, name), ("iter", dataset_id, iterator_id): a new epoch of a dataset,
+# ("batch", iterator_id, out_handles): its next batch, ("call", function_name, args): a value sent back
+OP, PUT, MESH, ITER, BATCH, CALL = "op", "put", "mesh", "iter", "batch", "call"
 
 
 @dataclass(frozen=True)

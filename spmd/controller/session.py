@@ -15,7 +15,7 @@ import weakref
 
 import torch
 
-from spmd.controller import protocol, shadow_cache
+from spmd.controller import checkpoint, datasets, protocol, shadow_cache
 from spmd.controller.errors import ControllerError, WorkerDiedError, WorkerError
 from spmd.controller.remote import ControllerMesh, RemoteDTensor, remote_class, shadow
 from spmd.dtensor import DTensor
@@ -41,6 +41,7 @@ class Session:
         self._buffer: list[tuple] = []  # instructions not sent yet
         self._refs: dict[int, weakref.ref] = {}
         self._meshes: dict[str, ControllerMesh] = {}
+        self.traffic = {"sent": 0, "fetched": 0}  # bytes of components sent to (once) and fetched from the workers
 
     # -- sending ----------------------------------------------------------------------------------------------
     def send(self, *instructions: tuple) -> None:
@@ -64,18 +65,20 @@ class Session:
         self.flush()  # (the workers run their messages in order)
         self.engine.send_each([pickle.dumps(([], [i]), protocol=pickle.HIGHEST_PROTOCOL) for i in instructions])
 
-    def call(self, name: str, *args) -> list:
-        """`name(*args)` on every worker after everything sent so far; their results by rank."""
+    def call(self, name: str, *args, timeout: float | None = None) -> list:
+        """`name(*args)` on every worker after everything sent so far; their results by rank. It waits `timeout`
+        seconds (default: the collective timeout and a margin) before declaring the workers lost."""
         self._check_open()
         self.flush()
+        timeout = self.timeout if timeout is None else max(timeout, self.timeout)
         try:
-            replies = self.engine.call_all(pickle.dumps((name, self.encode(args))), self.timeout)
+            replies = self.engine.call_all(pickle.dumps((name, self.encode(args))), timeout)
         except (WorkerDiedError, TimeoutError) as e:
             self.on_failure()
             if isinstance(e, WorkerDiedError):
                 raise
-            raise WorkerDiedError(f"the workers did not answer within {self.timeout:.0f} s (the collective "
-                                  "timeout and a margin); the controller shut them down") from e
+            raise WorkerDiedError(f"the workers did not answer within {timeout:.0f} s; the controller shut them "
+                                  "down") from e
         errors = [(rank, r[1]) for rank, r in enumerate(replies) if r[0] == "error"]
         if errors:
             raise WorkerError("; ".join(f"worker {rank}: {message}" for rank, message in errors))
@@ -113,10 +116,15 @@ class Session:
         return protocol.encode(value, self.refs)
 
     def _new_handle(self, t: RemoteDTensor) -> int:
+        h = self.new_id(t)
+        t._handle, t._session = h, self
+        return h
+
+    def new_id(self, owner) -> int:
+        """A new id for a worker-side object (a DTensor, a dataset, an iterator), freed there when `owner` is."""
         h = self._next_handle
         self._next_handle += 1
-        t._handle, t._session = h, self
-        self._refs[h] = weakref.ref(t, lambda _, h=h: self._dropped(h))
+        self._refs[h] = weakref.ref(owner, lambda _, h=h: self._dropped(h))
         return h
 
     def _dropped(self, handle: int) -> None:
@@ -182,11 +190,14 @@ class Session:
         h = self._new_handle(twin)
         ref = self.refs(t._layout)
         if t._layout.is_fully_replicated() and not t._pending:  # one copy per worker, expanded there
-            self.send((protocol.PUT, h, ref, stack[0].detach().contiguous(), True))
+            value = stack[0].detach().contiguous()
+            self.traffic["sent"] += value.nbytes
+            self.send((protocol.PUT, h, ref, value, True))
         else:
             n = self.devices_per_worker
-            rows = stack.detach().split(n)
-            self.send_each([(protocol.PUT, h, ref, r.contiguous(), False) for r in rows])
+            rows = [r.contiguous() for r in stack.detach().split(n)]
+            self.traffic["sent"] += sum(r.nbytes for r in rows)
+            self.send_each([(protocol.PUT, h, ref, r, False) for r in rows])
         return twin
 
     def fetch_stack(self, t: RemoteDTensor) -> torch.Tensor:
@@ -194,11 +205,23 @@ class Session:
         if t._pending:
             with shadow():
                 dispatch.resolve(t)
-        return torch.cat(self.call("stack", t))
+        stack = torch.cat(self.call("stack", t))
+        self.traffic["fetched"] += stack.nbytes
+        return stack
 
     def sync(self) -> None:
         """Waits until the workers ran everything sent so far; raises a stored worker failure."""
         self.call("info")
+
+    # -- checkpoints and datasets, done by the workers (`spmd.checkpoint` and `spmd.data` call these) -----------
+    def checkpoint_save(self, state_dict, path) -> None:
+        checkpoint.save(self, state_dict, path)
+
+    def checkpoint_load(self, flat: dict, mappings: dict, template: dict, path, strict: bool) -> None:
+        checkpoint.load(self, flat, mappings, template, path, strict)
+
+    def dataset_on_workers(self, dataset) -> datasets.OnWorkers:
+        return datasets.OnWorkers(dataset)
 
 
 def _leaves(value) -> list:

@@ -2,9 +2,10 @@
 
 On start it joins the other workers exactly as a multi-client program does (`initialize_accelerator_system`
 with torchrun's variables), so collectives run worker to worker over `torch.distributed`. It keeps a table
-handle -> DTensor and runs the instructions in the order they arrive. The first failure is kept and reported
-at the next `call` (the controller's next read), naming the op; instructions after it are skipped, since their
-inputs may be missing.
+handle -> DTensor (and the datasets the controller sent, with their iterators: spmd/controller/datasets.py) and
+runs the instructions in the order they arrive; a checkpoint is its own multi-client `spmd.checkpoint` call. The
+first failure is kept and reported at the next `call` (the controller's next read), naming the op; instructions
+after it are skipped, since their inputs may be missing.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import traceback
 
 import torch
 
-from spmd import api, runtime
+from spmd import api, checkpoint, data, runtime
 from spmd.controller import protocol
 from spmd.dtensor import DTensor, make
 from spmd.engine import dispatch
@@ -33,6 +34,7 @@ class WorkerState:
                                               collective_timeout=collective_timeout)
         self.rank = rank
         self.table: dict[int, DTensor] = {}
+        self.objects: dict[int, object] = {}  # datasets and their iterators, by id (ids shared with the table's)
         self.meshes: dict = {}
         self.device = None
         self.error: str | None = None
@@ -44,6 +46,7 @@ class WorkerState:
             self._run(instructions)
         for h in freed:  # after: the controller may drop a tensor that an instruction of this message made or used
             self.table.pop(h, None)
+            self.objects.pop(h, None)
 
     def _run(self, instructions) -> None:
         for instruction in instructions:
@@ -75,6 +78,21 @@ class WorkerState:
         self.meshes[mesh_id] = mesh
         self.device = mesh.torch_device
 
+    def _iter(self, dataset_id, iterator_id) -> None:
+        self.objects[iterator_id] = iter(self.objects[dataset_id])
+
+    def _batch(self, iterator_id, out_handles) -> None:
+        try:
+            batch = next(self.objects[iterator_id])
+        except StopIteration:
+            raise RuntimeError("the dataset ended before len(dataset) batches: its length is not what it "
+                               "gives") from None
+        self._keep_batch(batch, out_handles)
+
+    def _keep_batch(self, batch, out_handles) -> None:
+        leaves = [leaf for _, leaf in data._flatten(batch, lambda v: False)[0]]
+        self.table.update(zip(out_handles, leaves))
+
     # -- calls with a result ------------------------------------------------------------------------------------
     def call(self, payload: bytes):
         """Runs a read after the pending instructions; returns ("ok", value) or ("error", message)."""
@@ -93,12 +111,38 @@ class WorkerState:
     def _item(self, name, args, kwargs):
         return dispatch.dispatch(protocol.resolve_op(name), args, kwargs)
 
+    def _dataset(self, dataset_id, payload, layouts, options) -> tuple:
+        """Builds this worker's DTensorDataset (its devices' rows only); returns what it found of the elements."""
+        dataset, structure = pickle.loads(payload)
+        ds = data.DTensorDataset(dataset, mesh=layouts[0].mesh, layouts=data._unflatten(structure, iter(layouts)),
+                                 global_batch_size=None, **options)
+        self.objects[dataset_id] = ds
+        return ds._row_shapes, ds._dtypes, ds._elements_per_batch
+
+    def _next_batch(self, iterator_id, out_handles) -> bool:
+        """The next batch of an iterable without a length: False at its end."""
+        try:
+            batch = next(self.objects[iterator_id])
+        except StopIteration:
+            return False
+        self._keep_batch(batch, out_handles)
+        return True
+
+    def _checkpoint_save(self, state_dict, path) -> None:
+        checkpoint.save(state_dict, path)
+
+    def _checkpoint_load(self, flat, path, strict) -> None:
+        checkpoint.load(flat, path, strict=strict)
+
     def _info(self) -> dict:
         return {"rank": self.rank, "pid": os.getpid(), "handles": len(self.table)}
 
 
-_RUN = {protocol.OP: WorkerState._op, protocol.PUT: WorkerState._put, protocol.MESH: WorkerState._mesh}
-_CALLS = {"stack": WorkerState._stack, "item": WorkerState._item, "info": WorkerState._info}
+_RUN = {protocol.OP: WorkerState._op, protocol.PUT: WorkerState._put, protocol.MESH: WorkerState._mesh,
+        protocol.ITER: WorkerState._iter, protocol.BATCH: WorkerState._batch}
+_CALLS = {"stack": WorkerState._stack, "item": WorkerState._item, "info": WorkerState._info,
+          "dataset": WorkerState._dataset, "next_batch": WorkerState._next_batch,
+          "checkpoint_save": WorkerState._checkpoint_save, "checkpoint_load": WorkerState._checkpoint_load}
 
 
 def _dtensors(out) -> list:

@@ -5,7 +5,9 @@ may still be in range for the stack, and a shape error raised by a kernel names 
 new call signature (a dispatch cache miss) first runs the op on meta tensors of the arguments' global shapes:
 a bad `dim`, shapes that do not match, an impossible `view` raise torch's own error, naming the user's shapes
 and dims. Nothing is computed; ops without a meta kernel, or whose meta kernel cannot run (data-dependent
-output shapes, reading a value), are not checked here.
+output shapes, reading a value), are not checked here. An op whose tensors are all empty also runs its real
+kernel (that is free): meta kernels do not check that a reduction without identity (`amax`) is not over a
+zero-size dim.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ def check_like_torch(func, args, kwargs) -> None:
             meta_args, meta_kwargs = pytree.tree_map(_meta, (args, kwargs))
         except _Unchecked:
             return
+        meta_error = None
         try:
             func(*meta_args, **meta_kwargs)
         except (IndexError, ValueError, TypeError):
@@ -49,11 +52,33 @@ def check_like_torch(func, args, kwargs) -> None:
             _raise_if_bad_dim(e)
             return
         except RuntimeError as e:
-            message = str(e).lower()
-            if "meta" not in message and "not allocated" not in message:  # not a limit of meta tensors: the
-                raise                                                       # arguments are wrong
+            meta_error = e
         except Exception:  # noqa: BLE001  no meta kernel, or one that needs values: the rule decides
             return
+        _raise_if_empty_has_no_identity(func, args, kwargs)
+        message = str(meta_error).lower()
+        if meta_error is not None and "meta" not in message and "not allocated" not in message:
+            raise meta_error  # not a limit of meta tensors: the arguments are wrong
+
+
+def _raise_if_empty_has_no_identity(func, args, kwargs) -> None:
+    """torch's IndexError for a reduction without identity over a zero-size dim (`amax(0)` of a (0, 4) tensor),
+    or `max()` of an empty tensor, which meta kernels word differently or do not raise: when every tensor argument
+    is empty, running the real kernel costs nothing. Its errors are raised unless the CPU kernel lacks the dtype
+    (the device's may have it)."""
+    tensors = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+    if not tensors or any(t.numel() != 0 for t in tensors):
+        return
+    empty_args, empty_kwargs = pytree.tree_map(_empty, (args, kwargs))
+    try:
+        func(*empty_args, **empty_kwargs)
+    except IndexError:
+        raise
+    except RuntimeError as e:
+        if "not implemented" not in str(e):
+            raise
+    except Exception:  # noqa: BLE001  the meta kernel's verdict stands
+        return
 
 
 def _check_dim(func, args, kwargs) -> None:
@@ -68,6 +93,12 @@ def _raise_if_bad_dim(error: AssertionError) -> None:
     if match:
         dim, last = map(int, match.groups())
         canonicalize_dim(last + 1, dim)  # torch's IndexError for a dim out of range
+
+
+def _empty(value):
+    if not isinstance(value, torch.Tensor):
+        return value
+    return torch.empty(tuple(value.shape), dtype=value.dtype)
 
 
 def _meta(value):
