@@ -14,20 +14,30 @@ forward of each module that owns such parameters (a *unit*):
    (a weight, for its input's gradient) is saved as a note (`_Regather`, through saved-tensor hooks) and gathered
    again when backward unpacks it, as FSDP gathers again before a unit's backward.
 
-Peak memory is then the shards plus the gathered parameters of the units in flight (one at a time, unless units
-nest). Gathers are synchronous: nothing is prefetched yet.
+Prefetch: each unit learns which unit's forward came next (in the first forward of its distributed module) and,
+once it has its own parameters, starts that unit's gathers asynchronously, so they travel while this unit
+computes — where a gather is one direct torch.distributed call (multi-client meshes with one member of each group
+per client, as under torchrun); elsewhere (in-process meshes) the next unit gathers when it starts. A prefetched
+parameter changed in place since (an optimizer step) is gathered again. Every client starts the same gathers in
+the same order, so collectives stay matched.
+
+Peak memory is then the shards plus the gathered parameters of the units in flight (this one and the next).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from typing import NamedTuple
 
 import torch
 from torch import nn
 
+from spmd import explain
 from spmd.api import relayout
+from spmd.collectives import Kind, backend_for
 from spmd.dtensor import DTensor, make
+from spmd.engine import planner
 from spmd.errors import LayoutError
 from spmd.layout import Layout
 from spmd.mesh import axis_dims
@@ -66,7 +76,9 @@ class _Regather(NamedTuple):
 
 
 _UNITS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> its _Unit
+_ROOTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # distributed module -> its forward-start hook
 _LIVE: dict[int, tuple] = {}  # storage address of gathered components in use -> (param, compute layout, offset)
+_LAST: list = [None]  # the unit that gathered last in the current forward of a distributed module
 
 
 def _pack(saved: torch.Tensor):
@@ -88,13 +100,47 @@ def _unpack(saved):
     return make(stack.as_strided(saved.size, saved.stride, stack.storage_offset() + saved.offset), saved.view_layout)
 
 
+class _Gathered(torch.autograd.Function):
+    """A parameter's components gathered ahead (a prefetch) as the gathered DTensor; backward is relayout's."""
+
+    @staticmethod
+    def forward(ctx, param: DTensor, stack: torch.Tensor, layout: Layout):
+        ctx.source = param._layout
+        return make(stack, layout)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return relayout(grad, ctx.source), None, None
+
+
+def _start_gather(param: DTensor, layout: Layout):
+    """The all-gather of `param` to `layout` in flight, or None where it is not one asynchronous call."""
+    steps = planner.plan_on(layout.mesh, param._layout.axes, layout.axes)
+    if len(steps) != 1 or steps[0].kind is not Kind.ALL_GATHER:
+        return None
+    start = getattr(backend_for(layout.mesh), "all_gather_async", None)
+    handle = start and start(param._stack, layout.mesh, steps[0].mesh_dims[0], steps[0].axis)
+    if handle is not None and explain.RECORDERS:
+        explain.collective(Kind.ALL_GATHER, steps[0].mesh_dims, param._stack)
+    return handle
+
+
+@dataclasses.dataclass
+class _Frame:
+    """One forward of a unit in flight: its gathered copies' storage addresses and its saved-tensor hooks."""
+    live: list
+    hooks: object
+
+
 class _Unit:
-    """The hooks of one module that owns sharded parameters: gather before its forward, put back after."""
+    """The hooks of one module that owns sharded parameters: gather before its forward (or take what the unit
+    before it prefetched), start the next unit's gathers, put the parameters back after."""
 
     def __init__(self, module: nn.Module, params: dict[str, tuple[DTensor, Layout]]):
         self.params = params
-        self.live: list[list[int]] = []  # per forward in flight (a unit may run again inside itself)
-        self.saved_hooks: list = []
+        self.next: _Unit | None = None  # the unit whose forward came next, learned in the first forward
+        self.prefetched: dict[str, tuple] = {}  # name -> (gather in flight, the parameter's version then)
+        self.frames: list[_Frame] = []  # per forward in flight (a unit may run again inside itself)
         self.handles = [module.register_forward_pre_hook(self.gather),
                         module.register_forward_hook(self.release, always_call=True)]
 
@@ -104,34 +150,66 @@ class _Unit:
 
     def gather(self, module: nn.Module, args) -> None:
         # traced by spmd.function, the compiled graph decides what backward keeps (no saved-tensor hooks there)
-        track = torch.is_grad_enabled() and not torch.compiler.is_compiling()
-        keys = []
+        # and schedules its collectives itself (no prefetch)
+        compiling = torch.compiler.is_compiling()
+        track = torch.is_grad_enabled() and not compiling
+        frame = _Frame([], None)  # pushed first: `release` runs even when this raises
+        self.frames.append(frame)
         for name, (param, layout) in self.params.items():
-            gathered = relayout(param, layout)
+            gathered = self._take(name, param, layout)
+            if gathered is None:
+                gathered = relayout(param, layout)
             module._parameters[name] = gathered  # not a Parameter: seen under the name during this forward only
             stack = gathered._stack
             if track and stack is not param._stack and stack.is_contiguous():
-                keys.append(stack.untyped_storage().data_ptr())
-                _LIVE[keys[-1]] = (param, layout, stack.storage_offset())
-        self.live.append(keys)
-        hooks = torch.autograd.graph.saved_tensors_hooks(_pack, _unpack) if track else None
-        if hooks is not None:
-            hooks.__enter__()
-        self.saved_hooks.append(hooks)
+                frame.live.append(stack.untyped_storage().data_ptr())
+                _LIVE[frame.live[-1]] = (param, layout, stack.storage_offset())
+        if track:
+            frame.hooks = torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
+            frame.hooks.__enter__()
+        if not compiling:
+            self._chain()
+
+    def _take(self, name: str, param: DTensor, layout: Layout) -> DTensor | None:
+        """The prefetched gather of `name`, if one is in flight and the parameter has not changed since."""
+        handle, version = self.prefetched.pop(name, (None, None))
+        if handle is None:
+            return None
+        stack = handle.wait()  # also when stale: every client finishes the collective it started
+        return _Gathered.apply(param, stack, layout) if version == param._version else None
+
+    def _chain(self) -> None:
+        """Learns which unit follows the last one, and prefetches the one that follows this one."""
+        last = _LAST[0]
+        if last is not None and last is not self and last.next is None:
+            last.next = self
+        _LAST[0] = self
+        after = self.next
+        if after is not None and not after.prefetched:
+            for name, (param, layout) in after.params.items():
+                handle = _start_gather(param, layout)
+                if handle is not None:
+                    after.prefetched[name] = (handle, param._version)
 
     def release(self, module: nn.Module, args, output) -> None:
-        hooks = self.saved_hooks.pop()
-        if hooks is not None:
-            hooks.__exit__(None, None, None)
-        for key in self.live.pop():
+        frame = self.frames.pop()
+        if frame.hooks is not None:
+            frame.hooks.__exit__(None, None, None)
+        for key in frame.live:
             _LIVE.pop(key, None)
         for name, (param, _) in self.params.items():
             module._parameters[name] = param
 
 
+def _forward_starts(module: nn.Module, args) -> None:
+    _LAST[0] = None  # a unit's successor is learned within one forward of the distributed module
+
+
 def gather_on_use(module: nn.Module, compute_layouts: dict[int, Layout]) -> None:
     """Registers a `_Unit` on every submodule owning parameters whose layout differs from their compute layout
     (`compute_layouts`: id of the parameter -> the layout its name maps to)."""
+    if module not in _ROOTS:
+        _ROOTS[module] = module.register_forward_pre_hook(_forward_starts, prepend=True)
     for sub in module.modules():
         old = _UNITS.pop(sub, None)
         if old is not None:

@@ -379,8 +379,9 @@ class _CountedCalls:
     def __enter__(self):
         import spmd.collectives.assembly as assembly
         import spmd.collectives.distributed as distributed
+        import spmd.collectives.groups as groups
         import spmd.collectives.p2p as p2p
-        self.modules, self.calls = (assembly, distributed, p2p), []
+        self.modules, self.calls = (assembly, distributed, groups, p2p), []
         real = distributed.dist
         calls = self.calls
 
@@ -514,15 +515,25 @@ def _fsdp_training(mesh, steps=3, tensor_parallel=False):
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     data = Layout(["batch", U], mesh)
     dx, dy = spmd.copy_to_mesh(x, data), spmd.copy_to_mesh(y, data)
-    losses = []
-    for _ in range(steps):
-        loss = ((model(dx) - dy) ** 2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses, prefetched = [], []
+    start_gather = spmd.fsdp._start_gather
+
+    def counted(param, layout):  # the gathers started ahead of their unit's forward
+        handle = start_gather(param, layout)
+        prefetched.append(handle is not None)
+        return handle
+    spmd.fsdp._start_gather = counted
+    try:
+        for _ in range(steps):
+            loss = ((model(dx) - dy) ** 2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+    finally:
+        spmd.fsdp._start_gather = start_gather
     return (losses, [spmd.to_global(p.detach()).tolist() for p in model.parameters()],
-            [p._layout.sharding_specs for p in model.parameters()])
+            [p._layout.sharding_specs for p in model.parameters()], sum(prefetched))
 
 
 def fsdp_training():

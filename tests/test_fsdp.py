@@ -217,8 +217,11 @@ def test_clients_train_as_one_process(clients, per_client, dims):
     results = launch("fsdp_training", argv_extra=[per_client, f"{dims[0]},{dims[1]}"], n=clients, timeout_s=60)
     assert len(results) == clients
     for r in results:
-        for kind, (losses, params, layouts) in single.items():
+        for kind, (losses, params, layouts, _) in single.items():
             assert r[kind][0] == pytest.approx(losses, rel=1e-9), kind
             assert r[kind][2] == layouts
             for p, q in zip(r[kind][1], params):
                 assert torch.allclose(torch.tensor(p), torch.tensor(q), rtol=1e-9, atol=1e-12), kind
+        assert single["dp"][3] == 0  # one process: nothing to prefetch
+        if per_client == 1 and dims[1] == 1:  # one member per client: from the 2nd step (the 1st learns the order)
+            assert r["dp"][3] == 4 * 2, r["dp"][3]  # the 2nd and 3rd layers' 2 parameters each

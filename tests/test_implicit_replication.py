@@ -66,15 +66,21 @@ def test_an_op_writing_into_a_plain_tensor_is_refused(mesh22):
 
 
 def test_scatter_in_place_keeps_the_targets_layout(mesh22):
-    """scatter_ (what cumprod's backward runs) writes into a target sharded on another axis than `dim`; a target
-    sharded along `dim` cannot be written in place."""
+    """scatter_ (what cumprod's backward runs) writes into a target sharded on another axis than `dim`, and into
+    one sharded along `dim` (each device writes the indices in its block), without a collective."""
     index, src = torch.tensor([[0], [3], [1], [2]]), rand(4, 1, seed=1)
     want = rand(4, 4).scatter_(1, index, src)
-    target = spmd.copy_to_mesh(rand(4, 4), Layout(["x", U], mesh22))
     dist_index, dist_src = (spmd.copy_to_mesh(t, Layout.replicated(mesh22, 2)) for t in (index, src))
-    _, collectives = issued(target.scatter_, 1, dist_index, dist_src)
-    assert collectives == [] and spmd.fetch_layout(target) == Layout(["x", U], mesh22)
-    torch.testing.assert_close(spmd.to_global(target), want)
-    along_dim = spmd.copy_to_mesh(rand(4, 4), Layout([U, "y"], mesh22))
-    with pytest.raises(spmd.UnsupportedOpError, match="sharded along dim 1"):
-        along_dim.scatter_(1, dist_index, dist_src)
+    for layout in (Layout(["x", U], mesh22), Layout([U, "y"], mesh22), Layout(["x", "y"], mesh22)):
+        target = spmd.copy_to_mesh(rand(4, 4), layout)
+        _, collectives = issued(target.scatter_, 1, dist_index, dist_src)
+        assert collectives == [] and spmd.fetch_layout(target) == layout
+        torch.testing.assert_close(spmd.to_global(target), want)
+        for got, expected in zip(spmd.unpack(target), spmd.unpack(spmd.copy_to_mesh(want, layout))):
+            torch.testing.assert_close(got, expected)
+    added = spmd.copy_to_mesh(rand(4, 4), Layout([U, "y"], mesh22))
+    added.scatter_add_(1, dist_index, dist_src)
+    torch.testing.assert_close(spmd.to_global(added), rand(4, 4).scatter_add_(1, index, src))
+    filled = spmd.copy_to_mesh(rand(4, 4), Layout([U, "y"], mesh22))
+    filled.scatter_(1, dist_index, 1.0)
+    torch.testing.assert_close(spmd.to_global(filled), rand(4, 4).scatter_(1, index, 1.0))

@@ -185,11 +185,11 @@ def _all_to_all(send: torch.Tensor, group) -> torch.Tensor:
     return recv
 
 
-class AsyncSum:
-    """An all-reduce (sum) of a flat buffer in flight; `wait()` returns the buffer, reduced."""
+class AsyncCollective:
+    """A collective in flight; `wait()` returns its result (`finish` of the filled buffer)."""
 
-    def __init__(self, work, buf: torch.Tensor, fail):
-        self._work, self._buf, self._fail = work, buf, fail
+    def __init__(self, work, buf: torch.Tensor, fail, finish=None):
+        self._work, self._buf, self._fail, self._finish = work, buf, fail, finish
 
     def wait(self) -> torch.Tensor:
         if self._work is not None:
@@ -198,6 +198,8 @@ class AsyncSum:
             except RuntimeError as e:
                 self._fail(e)
             self._work = None
+            if self._finish is not None:
+                self._buf, self._finish = self._finish(self._buf), None
         return self._buf
 
 
@@ -226,7 +228,7 @@ class DistributedCollectives(Collectives):
         group_of = [g for _, g, _ in sorted(batch.local)]
         return sums.index_select(0, torch.tensor(group_of, device=sums.device))
 
-    def sum_async(self, buf: torch.Tensor, mesh, dims, batch: _Batch) -> AsyncSum:
+    def sum_async(self, buf: torch.Tensor, mesh, dims, batch: _Batch) -> AsyncCollective:
         """Starts summing `buf` (flat, contiguous, owned) over the clients of `batch`."""
         def fail(e):
             self._fail(e, "all_reduce(sum) of a gradient bucket", mesh, tuple(dims), batch)
@@ -235,7 +237,7 @@ class DistributedCollectives(Collectives):
             work = dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=_group(batch.ranks), async_op=True)
         except RuntimeError as e:
             fail(e)
-        return AsyncSum(work, buf, fail)
+        return AsyncCollective(work, buf, fail)
 
     # -- helpers ---------------------------------------------------------------------------------------------------
     def _fail(self, e: Exception, what: str, mesh, dims, batch: _Batch):
@@ -365,10 +367,7 @@ class DistributedCollectives(Collectives):
                     buf = _all_gather(self._direct_in(x, batch), _group(batch.ranks), len(batch.ranks))
                 except RuntimeError as e:
                     self._fail(e, f"all_gather(axis {axis})", mesh, dims, batch)
-                full = buf.movedim(0, 1 + axis)  # a view; the reshape copies only if the members must interleave
-                shape = list(full.shape)
-                shape[1 + axis: 3 + axis] = [shape[1 + axis] * shape[2 + axis]]
-                out = self._direct_out(out, x, full.reshape(shape).contiguous(), batch)
+                out = self._direct_out(out, x, self._concatenated(buf, axis), batch)
                 continue
             full = self._gather(x, mesh, dims, batch, f"all_gather(axis {axis})")  # (groups, k, *local)
             full = full.movedim(1, 1 + axis)
@@ -380,6 +379,35 @@ class DistributedCollectives(Collectives):
             for j, g, _ in batch.local:
                 out[j] = full[g]
         return out
+
+    @staticmethod
+    def _concatenated(buf: torch.Tensor, axis: int) -> torch.Tensor:
+        """(groups, *local with `axis` concatenated) from the rank-major gathered buffer (ranks, groups, *local)."""
+        full = buf.movedim(0, 1 + axis)  # a view; the reshape copies only if the members must interleave
+        shape = list(full.shape)
+        shape[1 + axis: 3 + axis] = [shape[1 + axis] * shape[2 + axis]]
+        return full.reshape(shape).contiguous()
+
+    def all_gather_async(self, x, mesh, mesh_dim, axis) -> AsyncCollective | None:
+        """Starts `all_gather(x, mesh, mesh_dim, axis)` where it is one direct torch.distributed call (one member
+        of each group per client, as under torchrun); None otherwise (the caller gathers when it needs the value).
+        """
+        dims = (mesh_dim,)
+        batches = _plan(mesh, dims).batches
+        if len(batches) != 1 or batches[0].direct is None or x.dtype == torch.bool or _tracing(x):
+            return None
+        batch, what = batches[0], f"all_gather(axis {axis})"
+        self._check_agreement(x, what, mesh, dims, batch)
+        send = self._direct_in(x, batch)
+        buf = torch.empty((len(batch.ranks),) + tuple(send.shape), dtype=x.dtype, device=x.device)
+
+        def fail(e):
+            self._fail(e, what, mesh, dims, batch)
+        try:
+            work = dist.all_gather(list(buf.unbind(0)), send, group=_group(batch.ranks), async_op=True)
+        except RuntimeError as e:
+            fail(e)
+        return AsyncCollective(work, buf, fail, lambda b: self._direct_out(None, x, self._concatenated(b, axis), batch))
 
     def shard(self, x, mesh, mesh_dim, axis):
         # no traffic: each local device keeps the block of its own coordinate

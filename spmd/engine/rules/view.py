@@ -16,7 +16,7 @@ import torch
 from spmd.dtensor import dense_strides
 from spmd.engine.registry import lookup, register
 from spmd.engine.decision import Decision, OpCall, TensorSpec, unsupported
-from spmd.engine.rules.common import generic_kernel, norm_dim, zero_d_as_one_element
+from spmd.engine.rules.common import generic_kernel, norm_dim, shard_starts, zero_d_as_one_element
 from spmd.engine.rules.reduction import arg, arg_index
 
 aten = torch.ops.aten
@@ -281,16 +281,32 @@ def indexed_rule(call: OpCall) -> Decision:
 @register(aten.scatter_.src, aten.scatter_.value, aten.scatter_add_.default)
 @zero_d_as_one_element
 def indexed_inplace_rule(call: OpCall) -> Decision:
-    """scatter_ into a target that keeps its layout: it must not be sharded along `dim`, nor where the index is
-    shorter than the target; the index and source take the target's sharding."""
+    """scatter_ into a target that keeps its layout: it must not be sharded where the index is shorter than the
+    target (other than along `dim`); the index and source take the target's sharding. Along a sharded `dim` the
+    index and source are whole and each device writes the indices that fall in its block (the others into a
+    scratch slot past its block, dropped)."""
     specs = call.specs
     dim = norm_dim(arg(call, "dim"), specs[0].rank)
     target = specs[0].axes
-    if any(m is not None and (i == dim or len({s.shape[i] for s in specs}) > 1) for i, m in enumerate(target)):
-        raise unsupported(call, f"the target is sharded along dim {dim} or where the index is shorter; relayout "
-                                "the target so that those axes are unsharded")
-    return Decision((target,) * len(specs), (target,), generic_kernel(call.func, arg_overrides={1: dim + 1}),
-                    inplace=True)
+    if any(m is not None and i != dim and len({s.shape[i] for s in specs}) > 1 for i, m in enumerate(target)):
+        raise unsupported(call, "the target is sharded where the index is shorter; relayout the target so that "
+                                "those axes are unsharded")
+    m = target[dim]
+    if m is None:
+        return Decision((target,) * len(specs), (target,), generic_kernel(call.func, arg_overrides={1: dim + 1}),
+                        inplace=True)
+    whole = tuple(None if i == dim else a for i, a in enumerate(target))
+    block = specs[0].shape[dim] // call.shards(m)
+    starts = shard_starts(call, m, block, specs[0].rank)
+    d = dim + 1
+
+    def kernel(locals_, args, kwargs):
+        local, index = locals_[0], locals_[1] - starts(locals_[1])
+        index = index.masked_fill((index < 0) | (index >= block), block)  # outside this block: the scratch slot
+        padded = torch.cat([local, local.narrow(d, 0, 1)], d)
+        call.func(padded, d, index, *locals_[2:], *args[3 + len(locals_) - 2:], **kwargs)
+        return local.copy_(padded.narrow(d, 0, block))
+    return Decision((target,) + (whole,) * (len(specs) - 1), (target,), kernel, inplace=True)
 
 
 @register(aten.diagonal.default)
