@@ -126,7 +126,7 @@ def _relayout_cases(n: int, rank: int, mesh, dmesh) -> dict:
 
 def _relayouts(args, rank, mesh, dmesh) -> dict:
     import spmd.collectives.distributed as sd
-    from spmd.collectives import p2p
+    from spmd.collectives import groups, p2p
     out = {}
     for n in args.sizes:
         cases, ok = _relayout_cases(n, rank, mesh, dmesh)
@@ -136,7 +136,7 @@ def _relayouts(args, rank, mesh, dmesh) -> dict:
         flat = {f"{k}/{v}": fn for k, variants in cases.items() for v, fn in variants.items()}
         res = time_cases(flat, iters, args.reps, warm=warm)
         # where spmd's time goes: the torch.distributed call vs the rest (local combine, write-back, dispatch)
-        timed = sd.dist = p2p.dist = _TimedDist(sd.dist)
+        timed = sd.dist = groups.dist = p2p.dist = _TimedDist(sd.dist)
         try:
             split = {}
             for k in KINDS:
@@ -148,7 +148,7 @@ def _relayouts(args, rank, mesh, dmesh) -> dict:
                 total = (time.perf_counter() - t) / iters * 1e6
                 split[k] = {"total": total, "dist_call": timed.seconds / iters * 1e6}
         finally:
-            sd.dist = p2p.dist = timed._dist
+            sd.dist = groups.dist = p2p.dist = timed._dist
         out[str(n)] = {"bytes": nbytes, "iters": iters, "results": res, "ok": ok, "split": split}
     return out
 
