@@ -15,6 +15,7 @@ import torch
 
 import spmd
 from spmd import UNSHARDED, Layout
+from spmd.explain import Recorder
 
 MESH = spmd.create_mesh([("x", 2), ("y", 2)])
 RTOL, ATOL = 1e-9, 1e-11
@@ -32,6 +33,13 @@ class Const:
 
     def __init__(self, value):
         self.value = value
+
+
+def issued(fn):
+    """The result of `fn()` and the (kind, mesh dims) of every collective it ran, in order."""
+    with Recorder() as r:
+        out = fn()
+    return out, [(c.kind, c.mesh_dims) for c in r.collectives]
 
 
 def all_layouts(mesh, shape, multi: bool = False) -> list[Layout]:

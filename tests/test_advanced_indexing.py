@@ -12,8 +12,7 @@ import spmd
 from spmd import UNSHARDED as U
 from spmd import Layout
 from spmd.errors import UnsupportedOpError
-from spmd.explain import Recorder
-from tests.sweep import MESH, check_op, rand
+from tests.sweep import MESH, issued, check_op, rand
 
 aten = torch.ops.aten
 ROWS = torch.tensor([[0, 3], [2, -1]])  # (2, 2) into an axis of 4, a negative one among them
@@ -70,12 +69,6 @@ def _layout(*specs):
     return Layout(list(specs), MESH)
 
 
-def _issued(fn):
-    with Recorder() as r:
-        out = fn()
-    return out, [(c.kind, c.mesh_dims) for c in r.collectives]
-
-
 def _components_match(out, want):
     """Each device's component is its block of torch's result."""
     layout = spmd.fetch_layout(out)
@@ -94,10 +87,10 @@ def _components_match(out, want):
 def test_columns_of_a_row_sharded_tensor_issue_no_collective():
     x = spmd.copy_to_mesh(rand(4, 6), _layout("x", "y"))
     idx = spmd.copy_to_mesh(COLS[0], _layout(U))
-    out, collectives = _issued(lambda: x[:, idx])
+    out, collectives = issued(lambda: x[:, idx])
     assert collectives == [("all_gather", ("y",))]  # the indexed axis only
     x = spmd.copy_to_mesh(rand(4, 6), _layout("x", U))
-    out, collectives = _issued(lambda: x[:, idx])
+    out, collectives = issued(lambda: x[:, idx])
     assert collectives == []
     assert spmd.fetch_layout(out).sharding_specs == ["x", U]
     _components_match(out, rand(4, 6)[:, COLS[0]])
@@ -106,7 +99,7 @@ def test_columns_of_a_row_sharded_tensor_issue_no_collective():
 def test_sharded_indices_keep_their_sharding_and_self_its_kept_axes():
     x = spmd.copy_to_mesh(rand(4, 6), _layout(U, "y"))
     idx = spmd.copy_to_mesh(ROWS, _layout("x", U))
-    out, collectives = _issued(lambda: x[idx])
+    out, collectives = issued(lambda: x[idx])
     assert collectives == []
     assert spmd.fetch_layout(out).sharding_specs == ["x", U, "y"]
     _components_match(out, rand(4, 6)[ROWS])
@@ -138,7 +131,7 @@ def test_accumulating_sharded_indices_leave_a_pending_sum():
     zeros = spmd.copy_to_mesh(torch.zeros(4, 6, dtype=torch.float64), _layout(U, "y"))
     idx = spmd.copy_to_mesh(torch.tensor([0, 0, 3, 1]), _layout("x"))
     values = spmd.copy_to_mesh(rand(4, 6), _layout("x", "y"))
-    out, collectives = _issued(lambda: torch.index_put(zeros, (idx,), values, accumulate=True))
+    out, collectives = issued(lambda: torch.index_put(zeros, (idx,), values, accumulate=True))
     assert collectives == [] and out._pending == ("x",)
     want = torch.zeros(4, 6, dtype=torch.float64).index_put((torch.tensor([0, 0, 3, 1]),), rand(4, 6), True)
     torch.testing.assert_close(spmd.to_global(out), want)
@@ -166,7 +159,7 @@ def test_a_boolean_mask_index_is_refused_clearly():
 @pytest.mark.parametrize("op", [torch.cumsum, torch.cumprod, torch.logcumsumexp])
 def test_a_scan_along_a_sharded_axis_gathers_only_the_block_totals(op):
     x = spmd.copy_to_mesh(rand(4, 8), _layout("x", "y"))
-    out, collectives = _issued(lambda: op(x, 1))
+    out, collectives = issued(lambda: op(x, 1))
     assert collectives == [("all_gather", ("y",))]
     assert spmd.fetch_layout(out).sharding_specs == ["x", "y"]
     _components_match(out, op(rand(4, 8), 1))
@@ -174,7 +167,7 @@ def test_a_scan_along_a_sharded_axis_gathers_only_the_block_totals(op):
 
 def test_topk_along_a_sharded_axis_gathers_the_candidates():
     x = spmd.copy_to_mesh(rand(4, 8), _layout("x", "y"))
-    (values, indices), collectives = _issued(lambda: torch.topk(x, 2, 1))
+    (values, indices), collectives = issued(lambda: torch.topk(x, 2, 1))
     assert collectives == [("all_gather", ("y",))] * 2
     want = torch.topk(rand(4, 8), 2, 1)
     _components_match(values, want.values)

@@ -12,8 +12,7 @@ import torch.nn.functional as F
 import spmd
 from spmd import UNSHARDED as U
 from spmd import Layout
-from spmd.explain import Recorder
-from tests.sweep import MESH, check_op, rand
+from tests.sweep import MESH, issued, check_op, rand
 
 CONVS = {
     "conv2d": (lambda x, w, b: F.conv2d(x, w, b, padding=1), (4, 4, 6, 6), (4, 4, 3, 3)),
@@ -42,17 +41,11 @@ def _layout(*specs):
     return Layout(list(specs), MESH)
 
 
-def _issued(fn):
-    with Recorder() as r:
-        out = fn()
-    return out, [(c.kind, c.mesh_dims) for c in r.collectives]
-
-
 def test_batch_and_output_channels_stay_sharded():
     x = spmd.copy_to_mesh(rand(4, 4, 6, 6), _layout("x", U, U, U))
     w = spmd.copy_to_mesh(rand(4, 4, 3, 3, seed=1), _layout("y", U, U, U))
     b = spmd.copy_to_mesh(rand(4, seed=2), _layout("y"))
-    out, collectives = _issued(lambda: F.conv2d(x, w, b, padding=1))
+    out, collectives = issued(lambda: F.conv2d(x, w, b, padding=1))
     assert collectives == []
     assert spmd.fetch_layout(out).sharding_specs == ["x", "y", U, U]
     torch.testing.assert_close(spmd.to_global(out), F.conv2d(rand(4, 4, 6, 6), rand(4, 4, 3, 3, seed=1),
@@ -63,7 +56,7 @@ def test_input_channels_sharded_leave_one_pending_sum_and_the_bias_is_added_once
     x = spmd.copy_to_mesh(rand(4, 4, 6, 6), _layout("x", "y", U, U))
     w = spmd.copy_to_mesh(rand(4, 4, 3, 3, seed=1), _layout(U, "y", U, U))
     b = spmd.copy_to_mesh(rand(4, seed=2), _layout(U))
-    out, collectives = _issued(lambda: F.conv2d(x, w, b))
+    out, collectives = issued(lambda: F.conv2d(x, w, b))
     assert collectives == [("all_reduce", ("y",))]  # the bias epilogue resolves the sum at once
     torch.testing.assert_close(spmd.to_global(out), F.conv2d(rand(4, 4, 6, 6), rand(4, 4, 3, 3, seed=1),
                                                              rand(4, seed=2)))
@@ -72,8 +65,8 @@ def test_input_channels_sharded_leave_one_pending_sum_and_the_bias_is_added_once
 def test_weight_gradient_of_a_batch_sharded_convolution_is_one_all_reduce():
     x = spmd.copy_to_mesh(rand(4, 4, 6, 6), _layout("x", U, U, U))
     w = spmd.copy_to_mesh(rand(4, 4, 3, 3, seed=1), _layout(U, U, U, U)).requires_grad_()
-    out, forward = _issued(lambda: F.conv2d(x, w))
-    _, backward = _issued(lambda: out.sum().backward())
+    out, forward = issued(lambda: F.conv2d(x, w))
+    _, backward = issued(lambda: out.sum().backward())
     assert forward == [] and backward == [("all_reduce", ("x",))]
     ref = rand(4, 4, 3, 3, seed=1).requires_grad_()
     F.conv2d(rand(4, 4, 6, 6), ref).sum().backward()
@@ -120,9 +113,9 @@ def test_a_cnn_trains_without_gathering_its_activations():
     reference = copy.deepcopy(net)
     x = torch.randn(4, 3, 8, 8, dtype=torch.float64)
     spmd.distribute_module(net, MESH, spmd.LayoutMap({}))
-    out, forward = _issued(lambda: net(spmd.copy_to_mesh(x, _layout("x", U, U, U))))
+    out, forward = issued(lambda: net(spmd.copy_to_mesh(x, _layout("x", U, U, U))))
     assert forward == []
-    _, backward = _issued(lambda: spmd.to_global(out).square().sum().backward())
+    _, backward = issued(lambda: spmd.to_global(out).square().sum().backward())
     assert set(backward) == {("all_reduce", ("x",))}
     reference(x).square().sum().backward()
     for p, ref in zip(net.parameters(), reference.parameters()):
@@ -157,7 +150,7 @@ def test_batch_norm_statistics_are_two_all_reduces_over_the_batch():
     x = spmd.copy_to_mesh(rand(4, 4, 3, 2), _layout("x", "y", U, U))
     w, b = (spmd.copy_to_mesh(rand(4, seed=s), _layout("y")) for s in (1, 2))
     rm, rv = (spmd.copy_to_mesh(torch.zeros(4, dtype=torch.float64), _layout("y")) for _ in range(2))
-    out, collectives = _issued(lambda: F.batch_norm(x, rm, rv, w, b, training=True))
+    out, collectives = issued(lambda: F.batch_norm(x, rm, rv, w, b, training=True))
     assert collectives == [("all_reduce", ("x",)), ("all_reduce", ("x",))]
     assert spmd.fetch_layout(out).sharding_specs == ["x", "y", U, U]
 

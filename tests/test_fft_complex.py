@@ -9,8 +9,7 @@ import torch
 import spmd
 from spmd import UNSHARDED as U
 from spmd import Layout
-from spmd.explain import Recorder
-from tests.sweep import MESH, Const, check_op, rand
+from tests.sweep import MESH, issued, Const, check_op, rand
 
 
 def _real(z: torch.Tensor) -> torch.Tensor:
@@ -70,12 +69,6 @@ def _layout(*specs):
     return Layout(list(specs), MESH)
 
 
-def _issued(fn):
-    with Recorder() as r:
-        out = fn()
-    return out, [(c.kind, c.mesh_dims) for c in r.collectives]
-
-
 def _assert_components(out, want: torch.Tensor) -> None:
     """The global value, and each device's component the block of `want` its layout assigns it."""
     layout = spmd.fetch_layout(out)
@@ -88,12 +81,12 @@ def test_an_fft_over_an_unsharded_axis_keeps_the_others_sharded_without_collecti
     x = rand(4, 4, 6)
     dx = spmd.copy_to_mesh(x, _layout("x", "y", U))
     for fn in (lambda t: torch.fft.fft(t), lambda t: torch.fft.rfft(t), lambda t: torch.fft.ihfft(t)):
-        out, collectives = _issued(lambda: fn(dx))
+        out, collectives = issued(lambda: fn(dx))
         assert collectives == []
         assert spmd.fetch_layout(out).sharding_specs == ["x", "y", U]
         _assert_components(out, fn(x))
     spectrum = torch.fft.rfft(x)
-    out, collectives = _issued(lambda: torch.fft.irfft(spmd.copy_to_mesh(spectrum, _layout("x", "y", U)), n=6))
+    out, collectives = issued(lambda: torch.fft.irfft(spmd.copy_to_mesh(spectrum, _layout("x", "y", U)), n=6))
     assert collectives == []
     _assert_components(out, torch.fft.irfft(spectrum, n=6))
 
@@ -101,7 +94,7 @@ def test_an_fft_over_an_unsharded_axis_keeps_the_others_sharded_without_collecti
 def test_an_fft_over_a_sharded_axis_moves_its_mesh_dim_to_a_free_axis_in_one_all_to_all():
     x = rand(4, 6)
     dx = spmd.copy_to_mesh(x, _layout("x", U))
-    out, collectives = _issued(lambda: torch.fft.fft(dx, dim=0))
+    out, collectives = issued(lambda: torch.fft.fft(dx, dim=0))
     assert collectives == [("all_to_all", ("x",))]
     assert spmd.fetch_layout(out).sharding_specs == [U, "x"]
     _assert_components(out, torch.fft.fft(x, dim=0))
@@ -109,13 +102,13 @@ def test_an_fft_over_a_sharded_axis_moves_its_mesh_dim_to_a_free_axis_in_one_all
 
 def test_an_fft_over_every_sharded_axis_gathers_them():
     x = rand(4, 6)
-    out, collectives = _issued(lambda: torch.fft.fft2(spmd.copy_to_mesh(x, _layout("x", "y"))))
+    out, collectives = issued(lambda: torch.fft.fft2(spmd.copy_to_mesh(x, _layout("x", "y"))))
     assert sorted(collectives) == [("all_gather", ("x",)), ("all_gather", ("y",))]
     assert spmd.fetch_layout(out).sharding_specs == [U, U]
     _assert_components(out, torch.fft.fft2(x))
     # no free axis divides by the mesh dim (3 rows on 2 devices): gathered too
     y = rand(3, 4)
-    out, collectives = _issued(lambda: torch.fft.fft(spmd.copy_to_mesh(y, _layout(U, "x"))))
+    out, collectives = issued(lambda: torch.fft.fft(spmd.copy_to_mesh(y, _layout(U, "x"))))
     assert collectives == [("all_gather", ("x",))]
     _assert_components(out, torch.fft.fft(y))
 
@@ -123,8 +116,8 @@ def test_an_fft_over_every_sharded_axis_gathers_them():
 def test_the_gradient_of_a_batched_fft_issues_no_collective():
     x = rand(4, 6)
     dx = spmd.copy_to_mesh(x, _layout("x", U)).requires_grad_()
-    out, forward = _issued(lambda: torch.view_as_real(torch.fft.rfft(dx)))
-    _, backward = _issued(lambda: out.square().sum().backward())
+    out, forward = issued(lambda: torch.view_as_real(torch.fft.rfft(dx)))
+    _, backward = issued(lambda: out.square().sum().backward())
     assert forward == [] and backward == []
     ref = x.clone().requires_grad_()
     torch.view_as_real(torch.fft.rfft(ref)).square().sum().backward()
@@ -134,10 +127,10 @@ def test_the_gradient_of_a_batched_fft_issues_no_collective():
 def test_complex_constructors_keep_the_operands_layout():
     re, im = rand(4, 6), rand(4, 6, seed=1)
     layout = _layout("x", "y")
-    out, collectives = _issued(lambda: torch.complex(spmd.copy_to_mesh(re, layout), spmd.copy_to_mesh(im, layout)))
+    out, collectives = issued(lambda: torch.complex(spmd.copy_to_mesh(re, layout), spmd.copy_to_mesh(im, layout)))
     assert collectives == [] and spmd.fetch_layout(out).sharding_specs == ["x", "y"]
     _assert_components(out, torch.complex(re, im))
-    out, collectives = _issued(lambda: torch.polar(spmd.copy_to_mesh(re.abs(), layout), spmd.copy_to_mesh(im, layout)))
+    out, collectives = issued(lambda: torch.polar(spmd.copy_to_mesh(re.abs(), layout), spmd.copy_to_mesh(im, layout)))
     assert collectives == []
     _assert_components(out, torch.polar(re.abs(), im))
 
@@ -145,11 +138,11 @@ def test_complex_constructors_keep_the_operands_layout():
 def test_view_as_real_is_a_view_that_writes_through_to_its_base():
     z = torch.complex(rand(4, 6), rand(4, 6, seed=1))
     dz = spmd.copy_to_mesh(z, _layout("x", "y"))
-    parts, collectives = _issued(lambda: torch.view_as_real(dz))
+    parts, collectives = issued(lambda: torch.view_as_real(dz))
     assert collectives == [] and spmd.fetch_layout(parts).sharding_specs == ["x", "y", U]
     parts.mul_(2)
     _assert_components(dz, 2 * z)
-    back, collectives = _issued(lambda: torch.view_as_complex(parts))
+    back, collectives = issued(lambda: torch.view_as_complex(parts))
     assert collectives == [] and spmd.fetch_layout(back).sharding_specs == ["x", "y"]
     back.add_(1)
     _assert_components(dz, 2 * z + 1)
@@ -157,7 +150,7 @@ def test_view_as_real_is_a_view_that_writes_through_to_its_base():
 
 def test_view_as_complex_of_a_sharded_pair_axis_gathers_it_and_refuses_in_place_writes():
     x = rand(4, 2)
-    z, collectives = _issued(lambda: torch.view_as_complex(spmd.copy_to_mesh(x, _layout("x", "y"))))
+    z, collectives = issued(lambda: torch.view_as_complex(spmd.copy_to_mesh(x, _layout("x", "y"))))
     assert collectives == [("all_gather", ("y",))]
     assert spmd.fetch_layout(z).sharding_specs == ["x"]
     _assert_components(z, torch.view_as_complex(x))

@@ -9,8 +9,7 @@ import torch
 import spmd
 from spmd import UNSHARDED as U
 from spmd import Layout
-from spmd.explain import Recorder
-from tests.sweep import MESH, check_op, rand
+from tests.sweep import MESH, issued, check_op, rand
 
 
 def _shifted(a):
@@ -69,12 +68,6 @@ def _layout(*specs):
     return Layout(list(specs), MESH)
 
 
-def _issued(fn):
-    with Recorder() as r:
-        out = fn()
-    return out, [(c.kind, c.mesh_dims) for c in r.collectives]
-
-
 def _spd_batch(*shape):
     return _spd(rand(*shape))
 
@@ -84,7 +77,7 @@ def test_batch_sharded_factorizations_run_where_the_data_is():
     x = spmd.copy_to_mesh(a, _layout("x", U, U))
     for fn in (torch.linalg.cholesky, torch.linalg.inv, torch.linalg.det, torch.linalg.eigh, torch.linalg.qr,
                torch.linalg.lu_factor, lambda t: torch.linalg.svd(t, full_matrices=False)):
-        out, collectives = _issued(lambda: fn(x))
+        out, collectives = issued(lambda: fn(x))
         assert collectives == []
         outs, wants = ((out,), (fn(a),)) if isinstance(out, torch.Tensor) else (tuple(out), tuple(fn(a)))
         for o, want in zip(outs, wants):
@@ -94,7 +87,7 @@ def test_batch_sharded_factorizations_run_where_the_data_is():
 
 def test_a_solve_keeps_the_batch_sharded_and_broadcasts_a_replicated_right_hand_side():
     a, b = _spd_batch(4, 3, 3), rand(3, seed=1)
-    out, collectives = _issued(lambda: torch.linalg.solve(spmd.copy_to_mesh(a, _layout("x", U, U)),
+    out, collectives = issued(lambda: torch.linalg.solve(spmd.copy_to_mesh(a, _layout("x", U, U)),
                                                           spmd.copy_to_mesh(b, _layout(U))))
     assert collectives == []
     assert spmd.fetch_layout(out).sharding_specs == ["x", U]
@@ -105,8 +98,8 @@ def test_lu_factor_and_lu_solve_stay_batch_sharded_forward_and_backward():
     a, b = _spd_batch(4, 3, 3), rand(4, 3, 2, seed=1)
     x = spmd.copy_to_mesh(a, _layout("y", U, U)).requires_grad_()
     y = spmd.copy_to_mesh(b, _layout("y", U, U)).requires_grad_()
-    out, forward = _issued(lambda: torch.linalg.lu_solve(*torch.linalg.lu_factor(x), y))
-    _, backward = _issued(lambda: out.sum().backward())
+    out, forward = issued(lambda: torch.linalg.lu_solve(*torch.linalg.lu_factor(x), y))
+    _, backward = issued(lambda: out.sum().backward())
     assert forward == [] and backward == []
     ref_a, ref_b = a.clone().requires_grad_(), b.clone().requires_grad_()
     torch.linalg.lu_solve(*torch.linalg.lu_factor(ref_a), ref_b).sum().backward()
@@ -116,10 +109,10 @@ def test_lu_factor_and_lu_solve_stay_batch_sharded_forward_and_backward():
 
 def test_sharded_matrix_axes_are_gathered_once_each():
     a = _spd_batch(4, 4, 4)
-    out, collectives = _issued(lambda: torch.linalg.cholesky(spmd.copy_to_mesh(a, _layout("x", "y", U))))
+    out, collectives = issued(lambda: torch.linalg.cholesky(spmd.copy_to_mesh(a, _layout("x", "y", U))))
     assert collectives == [("all_gather", ("y",))]
     assert spmd.fetch_layout(out).sharding_specs == ["x", U, U]
-    out, collectives = _issued(lambda: torch.linalg.inv(spmd.copy_to_mesh(a, _layout(U, "x", "y"))))
+    out, collectives = issued(lambda: torch.linalg.inv(spmd.copy_to_mesh(a, _layout(U, "x", "y"))))
     assert sorted(collectives) == [("all_gather", ("x",)), ("all_gather", ("y",))]
     assert spmd.fetch_layout(out).sharding_specs == [U, U, U]
     torch.testing.assert_close(spmd.to_global(out), torch.linalg.inv(a))
@@ -127,7 +120,7 @@ def test_sharded_matrix_axes_are_gathered_once_each():
 
 def test_a_batch_axis_sharded_over_both_mesh_dims_stays_so():
     a = _spd_batch(4, 3, 3)
-    out, collectives = _issued(lambda: torch.linalg.eigh(spmd.copy_to_mesh(a, _layout(("x", "y"), U, U))))
+    out, collectives = issued(lambda: torch.linalg.eigh(spmd.copy_to_mesh(a, _layout(("x", "y"), U, U))))
     assert collectives == []
     want = torch.linalg.eigh(a)
     for o, w in zip(out, want):

@@ -11,18 +11,11 @@ import torch.nn.functional as F
 import spmd
 from spmd import UNSHARDED as U
 from spmd import Layout
-from spmd.explain import Recorder
-from tests.sweep import MESH, Const, all_layouts, check_op, rand
+from tests.sweep import MESH, issued, Const, all_layouts, check_op, rand
 
 
 def _layout(*specs):
     return Layout(list(specs), MESH)
-
-
-def _issued(fn):
-    with Recorder() as r:
-        out = fn()
-    return out, [(c.kind, c.mesh_dims) for c in r.collectives]
 
 
 def _fallbacks_after(fn) -> list:
@@ -96,7 +89,7 @@ def test_elementwise_ops_keep_their_sharded_axes_and_issue_no_collective(fn):
     x = rand(4, 6)
     dx = spmd.copy_to_mesh(x, _layout(U, "y"))
     with spmd.implicit_replication():
-        out, collectives = _issued(lambda: fn(dx))
+        out, collectives = issued(lambda: fn(dx))
     assert collectives == []
     assert spmd.fetch_layout(out).sharding_specs == [U, "y"]
     torch.testing.assert_close(spmd.to_global(out), fn(x))
@@ -105,18 +98,18 @@ def test_elementwise_ops_keep_their_sharded_axes_and_issue_no_collective(fn):
 def test_lookups_keep_the_values_sharded_and_replicate_the_table():
     x = _sharded(rand(4, 6), "x", "y")
     boundaries = spmd.copy_to_mesh(_sorted_rows(5), _layout(U))
-    out, collectives = _issued(lambda: torch.bucketize(x, boundaries))
+    out, collectives = issued(lambda: torch.bucketize(x, boundaries))
     assert collectives == [] and spmd.fetch_layout(out).sharding_specs == ["x", "y"]
     torch.testing.assert_close(spmd.to_global(out), torch.bucketize(rand(4, 6), _sorted_rows(5)))
     sequence = spmd.copy_to_mesh(_sorted_rows(4, 6), _layout("x", U))
     values = spmd.copy_to_mesh(rand(4, 2), _layout("x", "y"))
-    out, collectives = _issued(lambda: torch.searchsorted(sequence, values))
+    out, collectives = issued(lambda: torch.searchsorted(sequence, values))
     assert collectives == [] and spmd.fetch_layout(out).sharding_specs == ["x", "y"]
 
 
 def test_glu_gathers_only_its_split_axis():
     x = _sharded(rand(4, 8), "x", "y")
-    out, collectives = _issued(lambda: F.glu(x, -1))
+    out, collectives = issued(lambda: F.glu(x, -1))
     assert collectives == [("all_gather", ("y",))]
     assert spmd.fetch_layout(out).sharding_specs == ["x", U]
 
@@ -164,9 +157,9 @@ def test_mean_loss_is_one_all_reduce_and_its_gradient_none(name):
     fn = _plain_weights(LOSSES[name])
     x, t = _sharded(rand(4, 6), "x", "y"), spmd.copy_to_mesh(rand(4, 6, seed=1), _layout("x", "y"))
     assert _fallbacks_after(lambda: fn(x, t)) == []
-    loss, forward = _issued(lambda: fn(x, t))
+    loss, forward = issued(lambda: fn(x, t))
     assert forward == [("all_reduce", ("x", "y"))]
-    _, backward = _issued(lambda: loss.backward())
+    _, backward = issued(lambda: loss.backward())
     assert backward == []
     ref = rand(4, 6).requires_grad_()
     fn(ref, rand(4, 6, seed=1)).backward()
@@ -176,12 +169,12 @@ def test_mean_loss_is_one_all_reduce_and_its_gradient_none(name):
 
 def test_sum_loss_stays_pending_and_none_loss_keeps_the_layout():
     x, t = _sharded(rand(4, 6), "x", U), spmd.copy_to_mesh(rand(4, 6, seed=1), _layout("x", U))
-    loss, collectives = _issued(lambda: F.huber_loss(x, t, reduction="sum"))
+    loss, collectives = issued(lambda: F.huber_loss(x, t, reduction="sum"))
     assert collectives == []  # the partial sums wait for their reader
-    resolved, collectives = _issued(lambda: spmd.to_global(loss))
+    resolved, collectives = issued(lambda: spmd.to_global(loss))
     assert ("all_reduce", ("x",)) in collectives
     torch.testing.assert_close(resolved, F.huber_loss(rand(4, 6), rand(4, 6, seed=1), reduction="sum"))
-    per, collectives = _issued(lambda: F.soft_margin_loss(x, t.sign(), reduction="none"))
+    per, collectives = issued(lambda: F.soft_margin_loss(x, t.sign(), reduction="none"))
     assert collectives == [] and spmd.fetch_layout(per).sharding_specs == ["x", U]
 
 
@@ -205,10 +198,10 @@ def test_spatial_nll_keeps_batch_and_spatial_axes_sharded():
     target = spmd.copy_to_mesh(_int(2, 4, 2, high=3, seed=1), _layout("x", "y", U))
     weight = spmd.copy_to_mesh(rand(3, seed=4).abs(), _layout(U))
     assert _fallbacks_after(lambda: F.nll_loss(x, target, weight=weight)) == []
-    loss, forward = _issued(lambda: F.nll_loss(x, target, weight=weight))
+    loss, forward = issued(lambda: F.nll_loss(x, target, weight=weight))
     # the weighted sum of the picked entries and the sum of their weights, stacked: one all-reduce
     assert forward == [("all_reduce", ("x", "y"))]
-    _, backward = _issued(lambda: loss.backward())
+    _, backward = issued(lambda: loss.backward())
     assert backward == []
     assert spmd.fetch_layout(x.grad).sharding_specs == ["x", U, "y", U]
     ref = rand(2, 3, 4, 2).requires_grad_()
@@ -221,6 +214,6 @@ def test_spatial_nll_keeps_batch_and_spatial_axes_sharded():
 def test_spatial_nll_with_the_class_axis_sharded_gathers_only_the_classes():
     x = spmd.copy_to_mesh(rand(2, 4, 4, 2), _layout("x", "y", U, U))
     target = spmd.copy_to_mesh(_int(2, 4, 2, high=4, seed=1), _layout("x", U, U))
-    out, collectives = _issued(lambda: F.nll_loss(x, target, reduction="none"))
+    out, collectives = issued(lambda: F.nll_loss(x, target, reduction="none"))
     assert collectives == [("all_gather", ("y",))]
     assert spmd.fetch_layout(out).sharding_specs == ["x", U, U]

@@ -14,20 +14,13 @@ import spmd
 from spmd import UNSHARDED as U
 from spmd import Layout
 from spmd.engine import dispatch
-from spmd.explain import Recorder
-from tests.sweep import MESH, Const, check_op, rand
+from tests.sweep import MESH, issued, Const, check_op, rand
 
 aten = torch.ops.aten
 
 
 def _layout(*specs):
     return Layout(list(specs), MESH)
-
-
-def _issued(fn):
-    with Recorder() as r:
-        out = fn()
-    return out, [(c.kind, c.mesh_dims) for c in r.collectives]
 
 
 def _grid(*shape, seed=5):
@@ -138,10 +131,10 @@ def _sharded(x, *specs, grad=False):
 def test_batch_sharded_grid_sample_runs_no_collective_and_its_backward_none():
     x, g = rand(4, 2, 3, 3), _grid(4, 2, 2, 2)
     dx, dg = _sharded(x, "x", "y", U, U, grad=True), _sharded(g, "x", U, U, U, grad=True)
-    out, forward = _issued(lambda: _no_fallback(lambda: F.grid_sample(dx, dg, align_corners=False)))
+    out, forward = issued(lambda: _no_fallback(lambda: F.grid_sample(dx, dg, align_corners=False)))
     assert forward == [] and spmd.fetch_layout(out).sharding_specs == ["x", "y", U, U]
     weights = rand(*out.shape, seed=9)
-    _, backward = _issued(lambda: (out * _sharded(weights, "x", "y", U, U)).sum().backward())
+    _, backward = issued(lambda: (out * _sharded(weights, "x", "y", U, U)).sum().backward())
     assert ("all_reduce", ("y",)) in backward  # the grid's gradient sums over the channel shards
     xr, gr = x.clone().requires_grad_(), g.clone().requires_grad_()
     want = F.grid_sample(xr, gr, align_corners=False)
@@ -155,9 +148,9 @@ def test_batch_sharded_group_norm_runs_no_collective_and_the_affine_gradients_on
     x, w, b = rand(4, 4, 3), rand(4, seed=1), rand(4, seed=2)
     dx = _sharded(x, "x", U, U, grad=True)
     dw, db = _sharded(w, U, grad=True), _sharded(b, U, grad=True)
-    out, forward = _issued(lambda: _no_fallback(lambda: F.group_norm(dx, 2, dw, db)))
+    out, forward = issued(lambda: _no_fallback(lambda: F.group_norm(dx, 2, dw, db)))
     assert forward == [] and spmd.fetch_layout(out).sharding_specs == ["x", U, U]
-    _, backward = _issued(lambda: spmd.to_global(out).square().sum().backward())
+    _, backward = issued(lambda: spmd.to_global(out).square().sum().backward())
     assert sorted(backward) == [("all_reduce", ("x",))] * 2
     xr, wr, br = (t.clone().requires_grad_() for t in (x, w, b))
     want = F.group_norm(xr, 2, wr, br)
@@ -173,10 +166,10 @@ def test_embedding_bag_over_a_column_sharded_table_runs_no_collective():
     dw = _sharded(w, U, "y", grad=True)
     di = _sharded(i, U, U)
     for mode in ("sum", "mean", "max"):
-        out, forward = _issued(lambda: _no_fallback(lambda: _bags(di, dw, mode=mode)))
+        out, forward = issued(lambda: _no_fallback(lambda: _bags(di, dw, mode=mode)))
         assert forward == [] and spmd.fetch_layout(out).sharding_specs == [U, "y"]
         torch.testing.assert_close(spmd.to_global(out), F.embedding_bag(i, w, mode=mode))
-        _, backward = _issued(lambda: _no_fallback(lambda: out.sum().backward()))
+        _, backward = issued(lambda: _no_fallback(lambda: out.sum().backward()))
         assert backward == []
         wr = w.clone().requires_grad_()
         F.embedding_bag(i, wr, mode=mode).sum().backward()
@@ -191,51 +184,51 @@ def test_histogram_of_a_sharded_tensor_is_one_all_reduce_when_read(specs, reads)
     """A pending sum of the shards' histograms, resolved when read (one all-reduce per mesh dim sharding it)."""
     x = rand(4, 4)
     dx = _sharded(x, *specs)
-    out, issued = _issued(lambda: _no_fallback(lambda: torch.histc(dx, 6, -1, 1)))
-    assert issued == []
-    got, issued = _issued(lambda: spmd.to_global(out))
-    assert issued == [("all_reduce", dims) for dims in reads]
+    out, collectives = issued(lambda: _no_fallback(lambda: torch.histc(dx, 6, -1, 1)))
+    assert collectives == []
+    got, collectives = issued(lambda: spmd.to_global(out))
+    assert collectives == [("all_reduce", dims) for dims in reads]
     torch.testing.assert_close(got, torch.histc(x, 6, -1, 1))
 
 
 def test_histogram_over_the_data_range_gathers_its_input():
     dx = _sharded(rand(4, 4), "x", U)
-    out, issued = _issued(lambda: _no_fallback(lambda: torch.histc(dx, 6)))
-    assert issued == [("all_gather", ("x",))] and spmd.fetch_layout(out).sharding_specs == [U]
+    out, collectives = issued(lambda: _no_fallback(lambda: torch.histc(dx, 6)))
+    assert collectives == [("all_gather", ("x",))] and spmd.fetch_layout(out).sharding_specs == [U]
     torch.testing.assert_close(spmd.to_global(out), torch.histc(rand(4, 4), 6))
 
 
 def test_cross_keeps_the_other_axes_sharded():
     a, b = rand(4, 3, 4), rand(4, 3, 4, seed=1)
     da, db = _sharded(a, "x", U, "y"), _sharded(b, "x", U, "y")
-    out, issued = _issued(lambda: _no_fallback(lambda: torch.linalg.cross(da, db, dim=1)))
-    assert issued == [] and spmd.fetch_layout(out).sharding_specs == ["x", U, "y"]
+    out, collectives = issued(lambda: _no_fallback(lambda: torch.linalg.cross(da, db, dim=1)))
+    assert collectives == [] and spmd.fetch_layout(out).sharding_specs == ["x", U, "y"]
     torch.testing.assert_close(spmd.to_global(out), torch.linalg.cross(a, b, dim=1))
 
 
 def test_unfold_and_fold_keep_batch_and_channels_sharded():
     x = rand(4, 4, 3, 3)
     dx = _sharded(x, "x", "y", U, U)
-    cols, issued = _issued(lambda: _no_fallback(lambda: F.unfold(dx, 2)))
-    assert issued == [] and spmd.fetch_layout(cols).sharding_specs == ["x", "y", U]
-    back, issued = _issued(lambda: _no_fallback(lambda: F.fold(cols, (3, 3), 2)))
-    assert issued == [] and spmd.fetch_layout(back).sharding_specs == ["x", "y", U, U]
+    cols, collectives = issued(lambda: _no_fallback(lambda: F.unfold(dx, 2)))
+    assert collectives == [] and spmd.fetch_layout(cols).sharding_specs == ["x", "y", U]
+    back, collectives = issued(lambda: _no_fallback(lambda: F.fold(cols, (3, 3), 2)))
+    assert collectives == [] and spmd.fetch_layout(back).sharding_specs == ["x", "y", U, U]
     torch.testing.assert_close(spmd.to_global(back), F.fold(F.unfold(x, 2), (3, 3), 2))
 
 
 def test_max_unpool_keeps_batch_and_channels_sharded():
     x = rand(4, 4, 4, 4)
     dx = _sharded(x, "x", "y", U, U)
-    out, issued = _issued(lambda: _no_fallback(lambda: _unpool2d(dx)))
-    assert issued == [] and spmd.fetch_layout(out).sharding_specs == ["x", "y", U, U]
+    out, collectives = issued(lambda: _no_fallback(lambda: _unpool2d(dx)))
+    assert collectives == [] and spmd.fetch_layout(out).sharding_specs == ["x", "y", U, U]
     torch.testing.assert_close(spmd.to_global(out), _unpool2d(x))
 
 
 def test_segment_reduce_keeps_the_columns_sharded():
     d, n = rand(6, 4), torch.tensor([1, 2, 3])
     dd = _sharded(d, U, "y")
-    out, issued = _issued(lambda: _no_fallback(lambda: torch.segment_reduce(dd, "sum", lengths=_sharded(n, U))))
-    assert issued == [] and spmd.fetch_layout(out).sharding_specs == [U, "y"]
+    out, collectives = issued(lambda: _no_fallback(lambda: torch.segment_reduce(dd, "sum", lengths=_sharded(n, U))))
+    assert collectives == [] and spmd.fetch_layout(out).sharding_specs == [U, "y"]
     torch.testing.assert_close(spmd.to_global(out), torch.segment_reduce(d, "sum", lengths=n))
 
 
@@ -246,7 +239,7 @@ def test_batch_norm_with_update_backward_is_one_all_reduce():
     zeros, ones = torch.zeros(4, dtype=torch.float64), torch.ones(4, dtype=torch.float64)
     mean, var = _sharded(zeros, U), _sharded(ones, U)
     out = _no_fallback(lambda: aten._batch_norm_with_update(dx, dw, db, mean, var, 0.1, 1e-5)[0])
-    _, backward = _issued(lambda: _no_fallback(lambda: spmd.to_global(out).square().sum().backward()))
+    _, backward = issued(lambda: _no_fallback(lambda: spmd.to_global(out).square().sum().backward()))
     assert backward == [("all_reduce", ("x",))]  # the two per-channel sums, stacked
     xr, wr, br = (t.clone().requires_grad_() for t in (x, w, b))
     aten._batch_norm_with_update(xr, wr, br, zeros, ones, 0.1, 1e-5)[0].square().sum().backward()

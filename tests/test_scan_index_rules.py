@@ -12,8 +12,7 @@ import spmd
 from spmd import UNSHARDED as U
 from spmd import Layout
 from spmd.engine import registry
-from spmd.explain import Recorder
-from tests.sweep import MESH, Const, check_op, rand
+from tests.sweep import MESH, issued, Const, check_op, rand
 
 aten = torch.ops.aten
 pytestmark = pytest.mark.filterwarnings("ignore:index_reduce\\(\\) is in beta")
@@ -125,20 +124,14 @@ def _dist(x, *specs):
     return spmd.copy_to_mesh(x, Layout(list(specs), MESH))
 
 
-def _issued(fn):
-    with Recorder() as r:
-        out = fn()
-    return out, [(c.kind, c.mesh_dims) for c in r.collectives]
-
-
 def _specs(t) -> list:
     return spmd.fetch_layout(t).sharding_specs
 
 
 def test_a_scan_along_an_unsharded_dim_keeps_the_other_axis_sharded_without_collectives():
     x = _dist(rand(4, 4), "x", U)
-    (values, indices), issued = _issued(lambda: torch.cummax(x, 1))
-    assert issued == [] and _specs(values) == _specs(indices) == ["x", U]
+    (values, indices), collectives = issued(lambda: torch.cummax(x, 1))
+    assert collectives == [] and _specs(values) == _specs(indices) == ["x", U]
     want = torch.cummax(rand(4, 4), 1)
     torch.testing.assert_close(spmd.to_global(values), want.values)
     torch.testing.assert_close(spmd.to_global(indices), want.indices)
@@ -146,52 +139,52 @@ def test_a_scan_along_an_unsharded_dim_keeps_the_other_axis_sharded_without_coll
 
 def test_counting_over_a_sharded_axis_is_one_all_reduce():
     x = _dist(rand(4, 4, dtype=torch.int64), "x", U)
-    out, issued = _issued(lambda: spmd.to_global(torch.count_nonzero(x, 0)))
-    assert issued == [("all_reduce", ("x",))]
+    out, collectives = issued(lambda: spmd.to_global(torch.count_nonzero(x, 0)))
+    assert collectives == [("all_reduce", ("x",))]
     torch.testing.assert_close(out, torch.count_nonzero(rand(4, 4, dtype=torch.int64), 0))
 
 
 def test_nansum_over_both_axes_is_one_all_reduce_per_mesh_dim():
     x = _dist(_with_nans(rand(4, 4)), "x", "y")
-    out, issued = _issued(lambda: spmd.to_global(torch.nansum(x)))
-    assert issued == [("all_reduce", ("x",)), ("all_reduce", ("y",))]
+    out, collectives = issued(lambda: spmd.to_global(torch.nansum(x)))
+    assert collectives == [("all_reduce", ("x",)), ("all_reduce", ("y",))]
     torch.testing.assert_close(out, torch.nansum(_with_nans(rand(4, 4))))
 
 
 def test_aminmax_over_a_sharded_axis_is_one_min_and_one_max_all_reduce():
     x = _dist(rand(4, 4), U, "y")
-    (low, high), issued = _issued(lambda: torch.aminmax(x, dim=1))
-    assert issued == [("all_reduce", ("y",)), ("all_reduce", ("y",))]
+    (low, high), collectives = issued(lambda: torch.aminmax(x, dim=1))
+    assert collectives == [("all_reduce", ("y",)), ("all_reduce", ("y",))]
     torch.testing.assert_close(spmd.to_global(low), rand(4, 4).amin(1))
     torch.testing.assert_close(spmd.to_global(high), rand(4, 4).amax(1))
 
 
 def test_dist_of_sharded_operands_is_one_all_reduce_per_mesh_dim_and_a_root():
     a, b = _dist(rand(4, 4), "x", "y"), _dist(rand(4, 4, seed=1), "x", "y")
-    out, issued = _issued(lambda: torch.dist(a, b))
-    assert issued == [("all_reduce", ("x",)), ("all_reduce", ("y",))]
+    out, collectives = issued(lambda: torch.dist(a, b))
+    assert collectives == [("all_reduce", ("x",)), ("all_reduce", ("y",))]
     torch.testing.assert_close(spmd.to_global(out), torch.dist(rand(4, 4), rand(4, 4, seed=1)))
 
 
 def test_trace_of_row_sharded_matrix_is_one_all_reduce_over_the_rows():
     x = _dist(rand(4, 6), "x", U)
-    out, issued = _issued(lambda: spmd.to_global(torch.trace(x)))
-    assert issued == [("all_reduce", ("x",))]
+    out, collectives = issued(lambda: spmd.to_global(torch.trace(x)))
+    assert collectives == [("all_reduce", ("x",))]
     torch.testing.assert_close(out, torch.trace(rand(4, 6)))
 
 
 def test_addmv_with_the_contracted_axis_sharded_is_one_all_reduce_and_the_bias_added_once():
     bias, m, v = _dist(rand(4), U), _dist(rand(4, 6, seed=1), U, "y"), _dist(rand(6, seed=2), "y")
-    out, issued = _issued(lambda: torch.addmv(bias, m, v))
-    assert issued == [("all_reduce", ("y",))]
+    out, collectives = issued(lambda: torch.addmv(bias, m, v))
+    assert collectives == [("all_reduce", ("y",))]
     torch.testing.assert_close(spmd.to_global(out), torch.addmv(rand(4), rand(4, 6, seed=1), rand(6, seed=2)))
 
 
 def test_addbmm_with_the_batch_sharded_sums_the_batch_with_one_all_reduce():
     bias, x, y = _dist(rand(4, 2), U, U), _dist(rand(2, 4, 4, seed=1), "x", U, U), _dist(rand(2, 4, 2, seed=2),
                                                                                             "x", U, U)
-    out, issued = _issued(lambda: torch.addbmm(bias, x, y))
-    assert issued == [("all_reduce", ("x",))]
+    out, collectives = issued(lambda: torch.addbmm(bias, x, y))
+    assert collectives == [("all_reduce", ("x",))]
     torch.testing.assert_close(spmd.to_global(out), torch.addbmm(rand(4, 2), rand(2, 4, 4, seed=1),
                                                                  rand(2, 4, 2, seed=2)))
 
@@ -199,10 +192,10 @@ def test_addbmm_with_the_batch_sharded_sums_the_batch_with_one_all_reduce():
 def test_cdist_keeps_rows_sharded_and_its_gradient_sums_over_the_other_rows():
     a = _dist(rand(4, 3), "x", U).requires_grad_()
     b = _dist(rand(2, 3, seed=1), "y", U)
-    out, forward = _issued(lambda: torch.cdist(a, b))
+    out, forward = issued(lambda: torch.cdist(a, b))
     assert forward == [] and _specs(out) == ["x", "y"]
     weight = _dist(rand(4, 2, seed=2), "x", "y")
-    _, backward = _issued(lambda: out.backward(weight))  # a's own layout: the pending sum resolved
+    _, backward = issued(lambda: out.backward(weight))  # a's own layout: the pending sum resolved
     assert backward == [("all_reduce", ("y",))]
     ref = rand(4, 3).requires_grad_()
     want = torch.cdist(ref, rand(2, 3, seed=1))
@@ -216,15 +209,15 @@ def test_indexing_along_an_unsharded_dim_keeps_the_other_axis_sharded_without_co
     rows, where = _dist(torch.tensor([3, 0]), U), _dist(_unique_index(), "x", U)
     for fn in (lambda: x.index_copy(1, rows, s), lambda: x.scatter_reduce(1, where, s, "amax"),
                lambda: x.index_fill(1, rows, 0.0), lambda: x.index_reduce(1, rows, s, "prod")):
-        out, issued = _issued(fn)
-        assert issued == [] and _specs(out) == ["x", U]
+        out, collectives = issued(fn)
+        assert collectives == [] and _specs(out) == ["x", U]
 
 
 def test_take_reads_a_replicated_tensor_at_sharded_indices_without_collectives():
     x = _dist(rand(4, 4), U, U)
     index = _dist(torch.tensor([[0, 15], [-1, 3], [7, 7], [2, 9]]), "x", "y")
-    out, issued = _issued(lambda: torch.take(x, index))
-    assert issued == [] and _specs(out) == ["x", "y"]
+    out, collectives = issued(lambda: torch.take(x, index))
+    assert collectives == [] and _specs(out) == ["x", "y"]
     torch.testing.assert_close(spmd.to_global(out), torch.take(rand(4, 4), spmd.to_global(index)))
 
 

@@ -11,8 +11,7 @@ import torch.nn.functional as F
 import spmd
 from spmd import UNSHARDED as U
 from spmd import Layout
-from spmd.explain import Recorder
-from tests.sweep import MESH, check_op, rand
+from tests.sweep import MESH, issued, check_op, rand
 
 COPIES = {
     "alias_copy": (lambda x: torch.alias_copy(x), (4, 6)),
@@ -69,12 +68,6 @@ def _layout(*specs):
     return Layout(list(specs), MESH)
 
 
-def _issued(fn):
-    with Recorder() as r:
-        out = fn()
-    return out, [(c.kind, c.mesh_dims) for c in r.collectives]
-
-
 def _assert_components(out, want: torch.Tensor) -> None:
     """The global value, and each device's component the block of `want` its layout assigns it."""
     torch.testing.assert_close(spmd.to_global(out), want)
@@ -92,7 +85,7 @@ def test_a_copy_keeps_the_layout_of_its_view_without_collectives_and_is_fresh_me
         specs = ["x", U, U]
     layout = _layout(*specs)
     dx = spmd.copy_to_mesh(x, layout)
-    out, collectives = _issued(lambda: fn(dx))
+    out, collectives = issued(lambda: fn(dx))
     assert collectives == []
     _assert_components(out, fn(x))
     out.add_(1)  # not a view: an in-place op is allowed, and the base keeps its values
@@ -102,7 +95,7 @@ def test_a_copy_keeps_the_layout_of_its_view_without_collectives_and_is_fresh_me
 
 def test_a_copy_of_a_view_that_gathers_relayouts_as_the_view_does():
     x = rand(4, 6)
-    out, collectives = _issued(lambda: torch.narrow_copy(spmd.copy_to_mesh(x, _layout("x", "y")), 1, 1, 4))
+    out, collectives = issued(lambda: torch.narrow_copy(spmd.copy_to_mesh(x, _layout("x", "y")), 1, 1, 4))
     assert collectives == [("all_gather", ("y",))]
     assert spmd.fetch_layout(out).sharding_specs == ["x", U]
     _assert_components(out, torch.narrow_copy(x, 1, 1, 4))
@@ -134,7 +127,7 @@ CHECKED = {  # name: (fn, shapes, layouts, output layout): the untouched axes st
 def test_the_untouched_axes_stay_sharded_without_collectives(name):
     fn, shapes, layouts, out_layout = CHECKED[name]
     xs = [rand(*s, seed=i) for i, s in enumerate(shapes)]
-    out, collectives = _issued(lambda: fn(*[spmd.copy_to_mesh(x, _layout(*l)) for x, l in zip(xs, layouts)]))
+    out, collectives = issued(lambda: fn(*[spmd.copy_to_mesh(x, _layout(*l)) for x, l in zip(xs, layouts)]))
     assert collectives == []
     assert spmd.fetch_layout(out).sharding_specs == out_layout
     _assert_components(out, fn(*xs))
@@ -142,7 +135,7 @@ def test_the_untouched_axes_stay_sharded_without_collectives(name):
 
 def test_pixel_shuffle_gathers_channels_that_do_not_map_onto_blocks():
     x = rand(2, 4, 2, 2)  # one output channel: its four inputs are not to be split over two devices
-    out, collectives = _issued(lambda: F.pixel_shuffle(spmd.copy_to_mesh(x, _layout(U, "x", U, U)), 2))
+    out, collectives = issued(lambda: F.pixel_shuffle(spmd.copy_to_mesh(x, _layout(U, "x", U, U)), 2))
     assert collectives == [("all_gather", ("x",))]
     _assert_components(out, F.pixel_shuffle(x, 2))
 
