@@ -288,11 +288,15 @@ class DistributedCollectives(Collectives):
         return flat[torch.arange(G, device=x.device).unsqueeze(1), source]
 
     # the direct case (see `_Batch.direct`): no padding, no reordering, no per-member write-back
+    def _members(self, x, batch: _Batch) -> torch.Tensor:
+        """(groups, *local): this client's member of each group (`x` itself when its components are in order)."""
+        return x if batch.identity else x.index_select(0, _const(batch.direct, x))
+
     def _direct_in(self, x, batch: _Batch, own: bool = False) -> torch.Tensor:
-        """(groups, *local), contiguous: this client's member of each group (its own memory if `own`)."""
-        if batch.identity:
-            return x.clone(memory_format=torch.contiguous_format) if own else x.contiguous()
-        return x.index_select(0, _const(batch.direct, x)).contiguous()
+        """`_members`, contiguous (in its own memory if `own`)."""
+        if batch.identity and own:
+            return x.clone(memory_format=torch.contiguous_format)
+        return self._members(x, batch).contiguous()
 
     def _direct_out(self, out, x, result, batch: _Batch) -> torch.Tensor:
         """Puts each group's `result` (groups, *out_local) at its local member's stack index."""
@@ -428,7 +432,7 @@ class DistributedCollectives(Collectives):
             self._check_agreement(x, f"all_to_all(axis {gather_axis} -> {shard_axis})", mesh, dims, batch)
             if batch.direct is not None and x.dtype != torch.bool and not _tracing(x) and not p2p.small(x):
                 # one message per piece, each received into its place (p2p.py)
-                mine = x if batch.identity else x.index_select(0, _const(batch.direct, x))
+                mine = self._members(x, batch)
                 try:
                     result = p2p.all_to_all(mine, batch.ranks, _group(batch.ranks), gather_axis, shard_axis)
                 except RuntimeError as e:
@@ -495,7 +499,7 @@ class DistributedCollectives(Collectives):
         out = None  # the direct case: each client receives only the pieces of its own block (p2p.py)
         for batch in batches:
             self._check_agreement(x, f"reduce_scatter({op}, axis {axis})", mesh, dims, batch)
-            mine = x if batch.identity else x.index_select(0, _const(batch.direct, x))
+            mine = self._members(x, batch)
             try:
                 result = p2p.reduce_scatter(mine, batch.ranks, _group(batch.ranks), axis, op)
             except RuntimeError as e:
