@@ -208,8 +208,6 @@ def _forward_starts(module: nn.Module, args) -> None:
 def gather_on_use(module: nn.Module, compute_layouts: dict[int, Layout]) -> None:
     """Registers a `_Unit` on every submodule owning parameters whose layout differs from their compute layout
     (`compute_layouts`: id of the parameter -> the layout its name maps to)."""
-    if module not in _ROOTS:
-        _ROOTS[module] = module.register_forward_pre_hook(_forward_starts, prepend=True)
     for sub in module.modules():
         old = _UNITS.pop(sub, None)
         if old is not None:
@@ -218,6 +216,11 @@ def gather_on_use(module: nn.Module, compute_layouts: dict[int, Layout]) -> None
                   if p is not None and id(p) in compute_layouts and p._layout != compute_layouts[id(p)]}
         if params:
             _UNITS[sub] = _Unit(sub, params)
+    sharded = any(sub in _UNITS for sub in module.modules())
+    if sharded and module not in _ROOTS:  # (a module without sharded parameters gets no hook on its forward)
+        _ROOTS[module] = module.register_forward_pre_hook(_forward_starts, prepend=True)
+    elif not sharded and module in _ROOTS:
+        _ROOTS.pop(module).remove()
 
 
 __all__ = ["sharded_layout", "gather_on_use"]
