@@ -48,6 +48,7 @@ from typing import Mapping, MutableMapping
 import torch
 
 from spmd.clients import collective_timeout
+from spmd.collectives.local import shared
 from spmd.dtensor import DTensor
 from spmd.errors import CheckpointError, CollectiveError
 from spmd.shards import Block, block_at, create_write_items, local_blocks  # Block, local_blocks: public here too
@@ -108,7 +109,8 @@ def _planner_classes():
         def set_up_planner(self, state_dict, metadata=None, is_coordinator=False):
             super().set_up_planner(state_dict, metadata, is_coordinator)
             for value in self.state_dict.values():
-                if isinstance(value, DTensor) and _overlaps(value._local):
+                # (a stack shared by every device holds one replicated value: loading one component loads all)
+                if isinstance(value, DTensor) and _overlaps(value._local) and not shared(value._local):
                     value._settle(value._local.clone(memory_format=torch.contiguous_format))
 
         def create_local_plan(self):

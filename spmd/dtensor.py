@@ -14,6 +14,7 @@ import torch.utils._pytree as pytree
 from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 
 from spmd import shards
+from spmd.collectives.local import shared
 from spmd.errors import LayoutError
 from spmd.layout import Layout
 from spmd.mesh import short_device_name
@@ -114,6 +115,8 @@ class DTensor(torch.Tensor):
                     _engine.resolve(self)
             else:
                 _engine.resolve(self)
+        if shared(self._stack):  # a compiled graph may write it: each device takes its own memory
+            self._stack = self._stack.contiguous()
         return ["_stack"], (self._layout, self._stack.stride())
 
     @classmethod

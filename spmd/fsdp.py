@@ -36,6 +36,7 @@ from torch import nn
 from spmd import explain
 from spmd.api import relayout
 from spmd.collectives import Kind, backend_for
+from spmd.collectives.local import shared
 from spmd.dtensor import DTensor, make
 from spmd.engine import planner
 from spmd.errors import LayoutError
@@ -161,7 +162,7 @@ class _Unit:
                 gathered = relayout(param, layout)
             module._parameters[name] = gathered  # not a Parameter: seen under the name during this forward only
             stack = gathered._stack
-            if track and stack is not param._stack and stack.is_contiguous():
+            if track and stack is not param._stack and (stack.is_contiguous() or shared(stack)):
                 frame.live.append(stack.untyped_storage().data_ptr())
                 _LIVE[frame.live[-1]] = (param, layout, stack.storage_offset())
         if track:

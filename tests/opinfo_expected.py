@@ -51,13 +51,9 @@ UNSUPPORTED = {
 }
 
 # -- known bugs: a wrong answer or another exception (strict xfails) ----------------------------------------------
-KNOWN_BUGS = {
-    "tensor_split": "indices given as a tensor: RuntimeError, torch reads the data of the DTensor wrapper",
-    "linalg.matrix_rank": "returns a plain tensor, not a DTensor, for an empty batch of matrices (2, 0, 0)",
-    "linalg.matrix_rank.hermitian": "returns a plain tensor, not a DTensor, for an empty batch of matrices",
-}
+KNOWN_BUGS: dict[str, str] = {}
 
-# -- the default run: ops across the families, a few known bugs among them ----------------------------------------
+# -- the default run: ops across the families -------------------------------------------------------------------------
 DEFAULT_OPS = [
     # elementwise
     "abs", "exp", "sin", "tanh", "sigmoid", "nan_to_num", "clamp", "add", "mul", "div.no_rounding_mode", "pow",

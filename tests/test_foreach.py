@@ -101,6 +101,22 @@ def test_in_place_foreach_relayouts_the_lists_it_reads(mesh22):
         torch.testing.assert_close(spmd.to_global(x), v + w)
 
 
+def test_lists_that_lined_up_before_are_checked_again_position_by_position(mesh22):
+    """The line-up remembers key lists it found equal: a later list that starts like one of them (the same first
+    layout object) but is laid out otherwise further on is relayouted there, not taken as lined up."""
+    torch.manual_seed(4)
+    values = [torch.randn(4, 4) for _ in range(6)]
+    shared, other = Layout(["x", "y"], mesh22), Layout([UNSHARDED, "x"], mesh22)
+    xs = [spmd.copy_to_mesh(v, Layout(["x", "y"], mesh22)) for v in values[:2]]  # equal layouts, distinct objects
+    torch._foreach_add_(xs, [spmd.copy_to_mesh(v, shared) for v in values[2:4]])
+    ys = [spmd.copy_to_mesh(values[4], shared), spmd.copy_to_mesh(values[5], other)]
+    _, collectives = issued(torch._foreach_add_, xs, ys)
+    assert collectives  # (the second y needs a relayout)
+    for x, v, w, u in zip(xs, values[:2], values[2:4], values[4:]):
+        assert spmd.fetch_layout(x) == shared
+        torch.testing.assert_close(spmd.to_global(x), v + w + u)
+
+
 def test_out_of_place_foreach_on_lists_that_do_not_line_up_takes_the_element_rules(mesh22):
     torch.manual_seed(2)
     a = [spmd.copy_to_mesh(torch.randn(4, 4), Layout(["x", UNSHARDED], mesh22))]

@@ -9,7 +9,7 @@ import torch
 import spmd
 from spmd import UNSHARDED as U
 from spmd import Layout
-from tests.sweep import MESH, issued, check_op, rand
+from tests.sweep import MESH, all_layouts, issued, check_op, rand
 
 
 def _shifted(a):
@@ -139,3 +139,31 @@ def test_a_compiled_solve_keeps_the_batch_sharded():
     out = solve_twice(spmd.copy_to_mesh(a, _layout("x", U, U)), spmd.copy_to_mesh(b, _layout(U)))
     assert spmd.fetch_layout(out).sharding_specs == ["x", U]
     torch.testing.assert_close(spmd.to_global(out), 2 * torch.linalg.solve(a, b))
+
+
+@pytest.mark.parametrize("call", [lambda a: torch.linalg.matrix_rank(a),
+                                  lambda a: torch.linalg.matrix_rank(a, hermitian=True),
+                                  lambda a: torch.linalg.matrix_rank(a, atol=1.0, rtol=0.5),
+                                  lambda a: torch.linalg.matrix_rank(a, tol=1.0)],
+                         ids=["default", "hermitian", "atol_rtol", "tol"])
+@pytest.mark.parametrize("layout", all_layouts(MESH, (4, 0, 0)), ids=lambda l: ",".join(map(str, l.sharding_specs)))
+def test_matrix_rank_of_an_empty_batch_is_zero_laid_out_like_the_batch(layout, call):
+    """torch fills a fresh tensor for matrices without elements: spmd gives a DTensor of zeros, its batch axis laid
+    out as the input's, without a collective."""
+    a = torch.empty(4, 0, 0, dtype=torch.float64)
+    out, collectives = issued(lambda: call(spmd.copy_to_mesh(a, layout)))
+    assert collectives == []
+    assert spmd.is_dtensor(out) and spmd.fetch_layout(out).sharding_specs == layout.sharding_specs[:1]
+    want = call(a)
+    assert out.dtype == want.dtype == torch.int64
+    torch.testing.assert_close(spmd.to_global(out), want)
+    for component, block in zip(spmd.unpack(out), spmd.unpack(spmd.copy_to_mesh(want, spmd.fetch_layout(out)))):
+        torch.testing.assert_close(component, block)
+
+
+def test_matrix_rank_of_an_empty_tensor_that_is_not_a_batch_of_matrices_is_torchs_error():
+    with pytest.raises(RuntimeError) as want:
+        torch.linalg.matrix_rank(torch.empty(0))
+    with pytest.raises(RuntimeError) as got:
+        torch.linalg.matrix_rank(spmd.copy_to_mesh(torch.empty(0), Layout.replicated(MESH, 1)))
+    assert str(got.value) == str(want.value)

@@ -14,7 +14,7 @@ import spmd
 from spmd import UNSHARDED as U
 from spmd import Layout
 from spmd.engine import dispatch
-from tests.sweep import MESH, issued, Const, check_op, rand
+from tests.sweep import MESH, all_layouts, issued, Const, check_op, rand
 
 aten = torch.ops.aten
 
@@ -245,3 +245,46 @@ def test_batch_norm_with_update_backward_is_one_all_reduce():
     aten._batch_norm_with_update(xr, wr, br, zeros, ones, 0.1, 1e-5)[0].square().sum().backward()
     for got, ref in [(dx, xr), (dw, wr), (db, br)]:
         torch.testing.assert_close(spmd.to_global(got.grad), ref.grad)
+
+
+def _assert_components(got, want):
+    """`got`'s global value and every device's component are `want` and its blocks in `got`'s layout."""
+    torch.testing.assert_close(spmd.to_global(got), want)
+    for component, block in zip(spmd.unpack(got), spmd.unpack(spmd.copy_to_mesh(want, spmd.fetch_layout(got)))):
+        torch.testing.assert_close(component, block)
+
+
+@pytest.mark.parametrize("index_specs", [[U], ["x"], ["y"]])
+@pytest.mark.parametrize("layout", all_layouts(MESH, (4, 6)), ids=lambda l: ",".join(map(str, l.sharding_specs)))
+def test_tensor_split_by_a_tensor_of_indices_reads_their_global_value(layout, index_specs):
+    """torch reads the indices on the host: a DTensor's are gathered once (none if replicated), then the split is
+    the split by the Python ints, with its collectives and layouts."""
+    x, indices = rand(4, 6), torch.tensor([1, 3, 3, 5])
+    dx, di = spmd.copy_to_mesh(x, layout), _sharded(indices, *index_specs)
+    out, collectives = issued(lambda: torch.tensor_split(dx, di, 1))
+    by_ints, split_collectives = issued(lambda: torch.tensor_split(dx, indices.tolist(), 1))
+    gather = [] if index_specs == [U] else [("all_gather", tuple(index_specs))]
+    assert collectives == gather + split_collectives
+    want = torch.tensor_split(x, indices, 1)
+    assert len(out) == len(want) == 5
+    for o, b, w in zip(out, by_ints, want):
+        assert spmd.fetch_layout(o) == spmd.fetch_layout(b)
+        _assert_components(o, w)
+
+
+def test_tensor_split_by_a_0d_tensor_gives_that_many_sections():
+    x = rand(5, 4)
+    out = torch.tensor_split(_sharded(x, U, "x"), _sharded(torch.tensor(2)), 0)
+    for o, w in zip(out, torch.tensor_split(x, 2, 0)):
+        assert spmd.fetch_layout(o).sharding_specs == [U, "x"]
+        _assert_components(o, w)
+
+
+@pytest.mark.parametrize("indices", [torch.tensor([1., 2.]), torch.tensor([[1, 2]])], ids=["float", "2-d"])
+def test_tensor_split_by_a_bad_tensor_of_indices_is_torchs_error(indices):
+    x = rand(4, 6)
+    with pytest.raises(RuntimeError) as want:
+        torch.tensor_split(x, indices, 1)
+    with pytest.raises(RuntimeError) as got:
+        torch.tensor_split(_sharded(x, "x", U), _sharded(indices, *[U] * indices.dim()), 1)
+    assert str(got.value) == str(want.value)

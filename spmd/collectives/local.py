@@ -3,6 +3,10 @@
 The stacked components `(L, *local)` are viewed as `(*mesh_shape, *local)`: a reduction over a mesh dimension
 is a reduction over that axis, a gather moves the mesh axis next to the tensor axis and merges them. One kernel
 per collective, whatever the number of virtual devices.
+
+A result that is the same on every device of the mesh (an all-reduce or all-gather over every mesh dim) is one
+copy expanded over the stack axis (stride 0): replicated values are held, and updated, once (see
+`spmd/engine/dispatch.py`).
 """
 
 from __future__ import annotations
@@ -10,6 +14,8 @@ from __future__ import annotations
 import math
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.functional_tensor import FunctionalTensor
 
 from spmd.collectives.base import Collectives
 from spmd.layout import axis_dims
@@ -19,7 +25,28 @@ def _grid(x: torch.Tensor, mesh) -> torch.Tensor:
     return x.reshape(tuple(mesh.shape()) + tuple(x.shape[1:]))  # (*mesh, *local)
 
 
+def shared(stack: torch.Tensor) -> bool:
+    """Whether stacked components are one copy that every device shares (stride 0 over the stack axis)."""
+    return stack.stride(0) == 0 and stack.shape[0] > 1
+
+
+def traced(t: torch.Tensor) -> bool:
+    """Whether `t` stands for a tensor in a graph being traced. Traced graphs hold each device's own memory (a
+    compiled graph cannot write an input that several devices share), which inductor computes without copies."""
+    return isinstance(t, (FakeTensor, FunctionalTensor))
+
+
+def spread(part: torch.Tensor, mesh_shape: tuple, stack_shape: tuple) -> torch.Tensor:
+    """`part` (*mesh, *local), of size 1 along the mesh axes whose devices hold the same values, as the stacked
+    components `stack_shape`: one shared copy when every device holds the same, else each device's own memory."""
+    if all(n == 1 for n in part.shape[:len(mesh_shape)]) and not traced(part):
+        return part.reshape(stack_shape[1:]).expand(stack_shape)
+    return part.expand(mesh_shape + tuple(stack_shape[1:])).contiguous().view(stack_shape)
+
+
 def _reduce(grid: torch.Tensor, axes: tuple[int, ...], op: str) -> torch.Tensor:
+    if op == "same":  # every device of a group already holds the group's reduced value (engine/rules/contraction.py)
+        return grid[tuple(slice(0, 1) if i in axes else slice(None) for i in range(grid.dim()))]
     if op == "sum":
         return grid.sum(dim=axes, keepdim=True)
     if op == "avg":
@@ -37,9 +64,8 @@ class InProcessCollectives(Collectives):
     def all_reduce(self, x, mesh, mesh_dims, op="sum"):
         if not mesh_dims:
             return x
-        grid = _grid(x, mesh)
-        reduced = _reduce(grid, tuple(mesh.axis_index(d) for d in mesh_dims), op)
-        return reduced.expand(grid.shape).contiguous().view(x.shape)  # own memory per device
+        reduced = _reduce(_grid(x, mesh), tuple(mesh.axis_index(d) for d in mesh_dims), op)
+        return spread(reduced, tuple(mesh.shape()), x.shape)
 
     def _merge(self, grid, nm, d, axis):
         # (*mesh, *local) -> (*mesh without d, *local with `axis` concatenated over d)
@@ -58,9 +84,7 @@ class InProcessCollectives(Collectives):
     def all_gather(self, x, mesh, mesh_dim, axis):
         grid, nm, d = _grid(x, mesh), len(mesh.shape()), mesh.axis_index(mesh_dim)
         full = self._merge(grid, nm, d, axis).unsqueeze(d)
-        shape = list(full.shape)
-        shape[d] = grid.shape[d]
-        return full.expand(shape).contiguous().view((x.shape[0],) + tuple(shape[nm:]))
+        return spread(full, tuple(mesh.shape()), (x.shape[0],) + tuple(full.shape[nm:]))
 
     def shard(self, x, mesh, mesh_dim, axis):
         grid, nm, d = _grid(x, mesh), len(mesh.shape()), mesh.axis_index(mesh_dim)

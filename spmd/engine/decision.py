@@ -40,6 +40,7 @@ class OpCall:
     kwargs: dict
     mesh: Any
     num_local: int  # L, the stack size
+    multi_axis: bool = False  # an input is sharded over several mesh dims: the rule sees its outer dims only
 
     @property
     def specs(self) -> list[TensorSpec]:
@@ -102,6 +103,7 @@ class Decision:
     single: bool = True  # the op returns one tensor rather than a tuple
     keeps: tuple[int, ...] = ()
     copies: bool = False  # a view op whose result does not share the input's memory: in-place ops on it are refused
+    writes: tuple[int, ...] = ()  # inputs the kernel writes beside an in-place target (a batch norm's running stats)
 
 
 def unsupported(call: OpCall, why: str = "") -> UnsupportedOpError:

@@ -10,6 +10,7 @@ after they are made.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import warnings
 
@@ -20,6 +21,7 @@ from torch.utils._mode_utils import no_dispatch
 
 from spmd import dtensor, explain
 from spmd.collectives import Kind, backend_for
+from spmd.collectives.local import shared, traced
 from spmd.dtensor import DTensor
 from spmd.engine import foreach, multi_axis, planner, registry
 from spmd.engine import rules  # noqa: F401  (registers every rule)
@@ -37,9 +39,10 @@ _STATS = {"misses": 0}
 
 class _Plan:
     __slots__ = ("decision", "kernel", "settle", "in_steps", "out_layouts", "out_pending", "out_steps",
-                 "out_shapes", "mesh", "copied_view", "writes")
+                 "out_shapes", "mesh", "copied_view", "writes", "once", "written", "reduce_op")
 
-    def __init__(self, decision, kernel, settle, in_steps, out_layouts, out_pending, out_steps, mesh, copied_view):
+    def __init__(self, decision, kernel, settle, in_steps, out_layouts, out_pending, out_steps, mesh, copied_view,
+                 written=(), reduce_op="sum"):
         self.decision = decision
         self.kernel = kernel  # (locals, args, kwargs) -> local outputs
         self.settle = settle  # input indices whose pending reduction is resolved in place first
@@ -52,6 +55,11 @@ class _Plan:
         # a view op whose input had to be relayouted: its outputs do not share memory with the input
         self.copied_view = copied_view
         self.writes = decision.inplace or decision.rebinds
+        # the kernel for one device's stack, where every input and output is replicated over the whole mesh: the
+        # op then runs once and its outputs are one copy shared by every device (see `_execute_once`)
+        self.once = None
+        self.written = written  # the inputs the op writes (their components must be each device's own)
+        self.reduce_op = reduce_op  # of the outputs' pending reduction
 
 
 def cache_stats() -> dict:
@@ -235,11 +243,35 @@ def _execute(plan: _Plan, func, args, kwargs, tensors):
     if plan.in_steps:
         for i, steps in plan.in_steps:
             locals_[i] = planner.run(locals_[i], plan.mesh, steps)
+    if plan.once is not None and (not plan.writes or shared(locals_[0])):
+        return _execute_once(plan, args, kwargs, tensors, locals_)
+    for i in plan.written:
+        if shared(locals_[i]) and locals_[i] is tensors[i]._stack:
+            # one copy shared by every device, about to be written per device: each device takes its own
+            tensors[i]._stack = locals_[i] = locals_[i].contiguous()
     if plan.writes:
         return _execute_writing(plan, func, args, kwargs, tensors, locals_)
     out = plan.kernel(locals_, args, kwargs)
     if plan.copied_view:
         return _mark_copied(_wrap(plan, out, locals_, args, kwargs))
+    return _wrap(plan, out, locals_, args, kwargs)
+
+
+def _execute_once(plan: _Plan, args, kwargs, tensors, locals_):
+    """A replicated op runs on the first device's components (every device holds the same); its outputs are that
+    one copy, shared by every device. An in-place op writes the one copy its target shares."""
+    out = plan.once([x[:1] for x in locals_], args, kwargs)
+    if plan.writes:
+        return tensors[0]
+    n = locals_[0].shape[0]
+
+    def shared_by_all(o):
+        if not isinstance(o, torch.Tensor):
+            return o
+        o = o.expand((n,) + o.shape[1:])
+        return o.contiguous() if traced(o) else o
+
+    out = shared_by_all(out) if plan.decision.single else tuple(shared_by_all(o) for o in out)
     return _wrap(plan, out, locals_, args, kwargs)
 
 
@@ -313,7 +345,7 @@ def _wrap(plan: _Plan, out, locals_, args, kwargs):
         shapes = plan.out_shapes = [None if l is None else l.global_shape_from_local_shape(o.shape[1:])
                                     for o, l in zip(out, plan.out_layouts)]
     pending = pending or ((),) * len(out)
-    wrapped = [o if l is None else DTensor(o, l, s, pending=p, pending_op=decision.reduce_op)
+    wrapped = [o if l is None else DTensor(o, l, s, pending=p, pending_op=plan.reduce_op)
                for o, l, s, p in zip(out, plan.out_layouts, shapes, pending)]
     return wrapped[0] if decision.single else tuple(wrapped)
 
@@ -330,22 +362,47 @@ def _make_plan(func, args, kwargs, tensors) -> _Plan:
     entry = registry.lookup(func)
     native = entry is not None and entry.multi_axis  # else rules see a multi-axis input's outer dims only
 
+    # a `same` sum (each device already holds its group's sum: engine/rules/contraction.py) passes through ops
+    # linear in it as a `sum` does, unless it meets a `sum`: then it is resolved first (one sum is kept per op)
+    summable = {"sum"} if any(t._pending_op == "sum" for t in tensors if t._pending) else {"sum", "same"}
+
     def spec(a):
         if isinstance(a, DTensor):
             next(it)
-            pending = a._pending if a._pending_op == "sum" else ()
+            pending = a._pending if a._pending_op in summable else ()
             return TensorSpec(a._layout.axes if native else a._layout.outer_axes, tuple(a.shape), a.dtype,
                               pending, bool(pending) and a._key[-1] is True)
         if isinstance(a, (list, tuple)) and any(isinstance(x, DTensor) for x in a):
             return type(a)(spec(x) for x in a)
         return a
 
+    multi = any(t._layout.multi_axis for t in tensors)
     call = OpCall(func, tuple(spec(a) for a in args), {k: spec(v) for k, v in kwargs.items()}, mesh,
-                  mesh.num_local_devices())
-    decision = _fallback_decision(call) if entry is None else entry.rule(call)
-    if any(t._layout.multi_axis for t in tensors):  # rules saw each multi-axis input sharded over its outer dim
+                  mesh.num_local_devices(), multi_axis=multi and not native)
+    decide = _fallback_decision if entry is None else entry.rule
+    decision = decide(call)
+    if multi:  # rules saw each multi-axis input sharded over its outer dim
         decision = multi_axis.adapt(decision, entry, tensors)
-    return _plan_from_decision(decision, call, tensors, args, kwargs)
+    plan = _plan_from_decision(decision, call, tensors, args, kwargs)
+    if _replicated(func, plan, tensors):
+        # rules are pure: the same op on a stack of one device's components decides the kernel for that stack
+        plan.once = _kernel(decide(dataclasses.replace(call, num_local=1)), mesh, args, kwargs)
+    return plan
+
+
+def _replicated(func, plan: _Plan, tensors) -> bool:
+    """Whether the op reads and writes only values replicated over the whole mesh of several local devices, and
+    runs no collective: then every device computes the same, once is enough. (Not a view: its result must alias
+    each device's components, which need not be one copy.)"""
+    decision = plan.decision
+    is_view = any(r.alias_info is not None for r in func._schema.returns) and not decision.inplace
+    if (plan.mesh.num_local_devices() == 1 or is_view or decision.rebinds or decision.collectives
+            or plan.out_pending or plan.out_steps or decision.epilogue is not None
+            or torch.Tag.nondeterministic_seeded in func.tags):
+        return False
+    inputs_replicated = all(all(m is None for m in (t._layout.axes if want is None else want))
+                            for t, want in zip(tensors, decision.inputs))
+    return inputs_replicated and all(layout is None or not layout.sharded_mesh_dims for layout in plan.out_layouts)
 
 
 def _plan_from_decision(decision: Decision, call: OpCall, tensors, args, kwargs) -> _Plan:
@@ -367,8 +424,10 @@ def _plan_from_decision(decision: Decision, call: OpCall, tensors, args, kwargs)
     out_layouts = [None if axes is None else Layout.from_axes(axes, mesh) for axes in decision.outputs]
     out_pending = out_steps = None
     reduced = [tuple(m for m in red if mesh.dim_size(m) > 1) for red in decision.reduce]
+    # ops linear in `same` sums leave a `same` sum
+    reduce_op = "same" if any(tensors[i]._pending_op == "same" for i in decision.keeps) else decision.reduce_op
     if any(reduced):
-        out_steps = [planner.plan_on(mesh, axes, axes, red, decision.reduce_op) if red else ()
+        out_steps = [planner.plan_on(mesh, axes, axes, red, reduce_op) if red else ()
                      for axes, red in zip(decision.outputs, reduced)]
         if decision.epilogue is None:  # left pending: the consumer decides between all-reduce and reduce-scatter
             out_pending = reduced
@@ -376,7 +435,23 @@ def _plan_from_decision(decision: Decision, call: OpCall, tensors, args, kwargs)
         backend_for(mesh)  # a mesh this process cannot communicate over fails here, not where it is consumed
     is_view = any(r.alias_info is not None for r in call.func._schema.returns)
     return _Plan(decision, _kernel(decision, mesh, args, kwargs), settle, in_steps, out_layouts, out_pending,
-                 out_steps, mesh, copied_view=is_view and (bool(in_steps) or decision.copies))
+                 out_steps, mesh, copied_view=is_view and (bool(in_steps) or decision.copies),
+                 written=_written_inputs(call.func, args, kwargs, tensors) + decision.writes, reduce_op=reduce_op)
+
+
+def _written_inputs(func, args, kwargs, tensors) -> tuple[int, ...]:
+    """The positions in `tensors` of the DTensor arguments that `func`'s schema says it writes."""
+    if not func._schema.is_mutable:
+        return ()
+    written = []
+    for i, argument in enumerate(func._schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        value = args[i] if i < len(args) else kwargs.get(argument.name)
+        for t in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(t, DTensor):
+                written.append(next(j for j, u in enumerate(tensors) if u is t))
+    return tuple(written)
 
 
 def _kernel(decision: Decision, mesh, args, kwargs):

@@ -10,11 +10,15 @@ ordinary dispatcher, each element with its own layout and sharding rule.
 
 from __future__ import annotations
 
+import functools
+import operator
+
 import torch
 import torch.utils._foreach_utils
 from torch.optim import optimizer
 
 from spmd.collectives import backend_for
+from spmd.collectives.local import shared
 from spmd.dtensor import DTensor
 from spmd.engine import planner
 from spmd.errors import MeshMismatchError, MixedTensorError
@@ -27,6 +31,10 @@ _FUSED = {"aten::_fused_adam_", "aten::_fused_adamw_", "aten::_fused_sgd_", "ate
 _NOT_ELEMENTWISE = {"aten::_foreach_norm", "aten::_foreach_max", "aten::_foreach_mm"}
 # plain tensors a fused kernel takes beside the DTensor lists: per-parameter steps, AMP's scaler state, a tensor lr
 _PLAIN_ARGUMENTS = {"state_steps", "grad_scale", "found_inf", "inv_scale", "lr", "scalars"}
+_KEY, _STACK, _PENDING, _COPIED_VIEW = map(operator.attrgetter, ("_key", "_stack", "_pending", "_copied_view"))
+# key lists found equal: (id of the first layout of each, length) -> the two lists (see _same_keys)
+_AGREED: dict = {}
+_AGREED_LIMIT = 1024
 
 
 def is_multi_tensor(func) -> bool:
@@ -43,44 +51,69 @@ def let_torch_optim_take(*types) -> None:
 
 def run(func, args, kwargs):
     """Runs `func` on lists of DTensors: on the stacked components where the lists line up, else per position."""
-    fused = func._schema.name in _FUSED
-    if fused or func._schema.name not in _NOT_ELEMENTWISE:
-        lined_up = _line_up(func, args, kwargs, fused)
+    signature = _signature(func)
+    if signature.elementwise:
+        lined_up = _line_up(func, signature, args, kwargs)
         if not isinstance(lined_up, str):
             out = _run_on_stacks(func, *lined_up)
-            if func._schema.name == "aten::_amp_foreach_non_finite_check_and_unscale_":
+            if signature.name == "aten::_amp_foreach_non_finite_check_and_unscale_":
                 _agree_across_clients(args[1], args[0][0]._layout.mesh)
             return out
-        if fused:
-            raise MixedTensorError(f"{func._schema.name} on DTensors: {lined_up}")
+        if signature.fused:
+            raise MixedTensorError(f"{signature.name} on DTensors: {lined_up}")
     return _run_per_element(func, args, kwargs)
 
 
-def _line_up(func, args, kwargs, fused: bool):
+class _Signature:
+    """What the line-up reads of an op's schema, once per op: argument names, which are tensor lists, which the
+    op writes through its alias annotations."""
+
+    def __init__(self, func):
+        schema = func._schema
+        self.name = schema.name
+        self.fused = self.name in _FUSED
+        self.elementwise = self.fused or self.name not in _NOT_ELEMENTWISE
+        self.in_place = not schema.returns
+        self.names = tuple(a.name for a in schema.arguments)
+        self.tensor_lists = tuple(a.name for a in schema.arguments if str(a.type) == "List[Tensor]")
+        self.aliased_writes = frozenset(a.name for a in schema.arguments
+                                        if a.alias_info is not None and a.alias_info.is_write)
+
+
+@functools.cache
+def _signature(func) -> _Signature:
+    return _Signature(func)
+
+
+def _line_up(func, signature: _Signature, args, kwargs):
     """`func`'s arguments with every DTensor replaced by its stacked components and the DTensors whose layouts
     the results take (None for an in-place op), or a string saying why the lists do not line up."""
-    named = {a.name: v for a, v in zip(func._schema.arguments, args)} | kwargs
-    reference = next(v for v in named.values() if _is_tensor_list(v) and v)
-    reference_keys = [getattr(t, "_key", None) for t in reference]
-    if None in reference_keys:
+    named = dict(zip(signature.names, args))
+    named.update(kwargs)
+    reference = next(named[name] for name in signature.tensor_lists if named.get(name))
+    try:
+        reference_keys = list(map(_KEY, reference))
+    except AttributeError:
         return "its first tensor list holds plain tensors; distribute them first with spmd.copy_to_mesh"
-    in_place = not func._schema.returns
-    resolve = fused  # a foreach op leaves pending reductions to the element rules, which may keep them
-    if not resolve and any(t._pending for t in reference):
+    resolve = signature.fused  # a foreach op leaves pending reductions to the element rules, which may keep them
+    pending = any(map(_PENDING, reference))
+    if pending and not resolve:
         return "a pending reduction"
-    if in_place and any(t._copied_view for t in reference):
+    if signature.in_place and any(map(_COPIED_VIEW, reference)):
         return "an in-place write to a view that does not share memory with its base"
-    reference_stacks = [t._local for t in reference]
-    if resolve:
-        reference_keys = [t._key for t in reference]  # (resolved: no pending reduction in them any more)
+    if pending:
+        reference_stacks = [t._local for t in reference]
+        reference_keys = list(map(_KEY, reference))  # (resolved: no pending reduction in them any more)
+    else:
+        reference_stacks = list(map(_STACK, reference))
     stacked = {}
-    for argument in func._schema.arguments:
-        name, value = argument.name, named.get(argument.name)
+    for name in signature.names:
+        value = named.get(name)
         if value is reference:
             value = reference_stacks
-        elif _is_tensor_list(value):
+        elif name in signature.tensor_lists and value:
             # an input read (not written) may be relayouted to the written tensor's layout, as the element rules do
-            relayout = in_place and not _written(argument, named)
+            relayout = signature.in_place and not _written(signature, name, named)
             value = _stacks(value, reference, reference_keys, relayout, resolve, name)
         elif isinstance(value, DTensor):
             value = _scalar_stack(value, name)
@@ -89,23 +122,65 @@ def _line_up(func, args, kwargs, fused: bool):
         if isinstance(value, str):
             return value
         stacked[name] = value
-    positional = [stacked[a.name] for a in func._schema.arguments[:len(args)]]
-    return positional, {k: stacked[k] for k in kwargs}, (None if in_place else reference)
+    if reference_stacks[0].shape[0] > 1:
+        _once_where_shared(signature, named, stacked)
+    positional = [stacked[name] for name in signature.names[:len(args)]]
+    return positional, {k: stacked[k] for k in kwargs}, (None if signature.in_place else reference)
 
 
-def _written(argument, named) -> bool:
+def _once_where_shared(signature: _Signature, named, stacked) -> None:
+    """At the positions whose written tensors (for an out-of-place op: the first list's) are all one copy shared by
+    every device (a value replicated over the whole mesh: see engine/dispatch.py), the op runs once, on the first
+    device's components of every list. A position where only some written tensors are shared gives those each
+    device's own memory first."""
+    lists = [name for name in signature.tensor_lists if name not in _PLAIN_ARGUMENTS and stacked.get(name)]
+    written = [name for name in lists if _written(signature, name, named)] if signature.in_place else lists[:1]
+    for i, shares in enumerate(zip(*(map(shared, stacked[name]) for name in written))):
+        if all(shares):
+            for name in lists:
+                stacked[name][i] = stacked[name][i][:1]
+        elif any(shares) and signature.in_place:
+            for name, is_shared in zip(written, shares):
+                if is_shared and stacked[name][i] is named[name][i]._stack:
+                    named[name][i]._stack = stacked[name][i] = stacked[name][i].contiguous()
+
+
+def _written(signature: _Signature, name: str, named) -> bool:
     """Whether the op writes this argument (a fused step writes its gradients only to unscale them)."""
-    if argument.name == "grads":
+    if name == "grads":
         return named.get("grad_scale") is not None
-    return argument.alias_info is not None and argument.alias_info.is_write
+    return name in signature.aliased_writes
 
 
 def _stacks(tensors, reference, reference_keys, relayout: bool, resolve: bool, name: str):
     """The stacked components of a list of tensors laid out as the `reference` list, or why not."""
-    if [getattr(t, "_key", None) for t in tensors] == reference_keys:  # the common case: layout, shape, dtype equal
-        return [t._stack for t in tensors]  # (the reference's keys hold no pending reduction)
+    try:
+        if _same_keys(list(map(_KEY, tensors)), reference_keys):  # the common case: layout, shape, dtype equal
+            return list(map(_STACK, tensors))  # (the reference's keys hold no pending reduction)
+    except AttributeError:  # plain tensors in the list
+        if name in _PLAIN_ARGUMENTS and not any(isinstance(t, DTensor) for t in tensors):
+            return list(tensors)  # (per-parameter steps)
     stacks = [_stack(t, ref, relayout, resolve, name) for t, ref in zip(tensors, reference)]
     return next((s for s in stacks if isinstance(s, str)), stacks)
+
+
+def _same_keys(keys: list, reference_keys: list) -> bool:
+    """`keys == reference_keys`, remembered. Equal layouts are often distinct objects (each parameter's own, the
+    cached plans'), and comparing them runs `Layout.__eq__` per element; the lists of a later step hold the same
+    key tuples, or tuples of the same layout objects, which compare without it. So a pair found equal is kept, and
+    a pair equal to a kept one (by value: usually by identity, at C speed) is equal too."""
+    if not keys or len(keys) != len(reference_keys):
+        return keys == reference_keys
+    memo = (id(keys[0][0]), id(reference_keys[0][0]), len(keys))
+    agreed = _AGREED.get(memo)  # (its lists keep the layouts alive, so the ids in `memo` stay theirs)
+    if agreed is not None and agreed[0] == keys and agreed[1] == reference_keys:
+        return True
+    if keys != reference_keys:
+        return False
+    if len(_AGREED) >= _AGREED_LIMIT:
+        _AGREED.clear()
+    _AGREED[memo] = (keys, reference_keys)
+    return True
 
 
 def _stack(t, ref: DTensor, relayout: bool, resolve: bool, name: str):
@@ -149,11 +224,9 @@ def _run_on_stacks(func, args, kwargs, reference):
     out = func(*args, **kwargs)
     if reference is None:  # in place: the DTensors' components were written
         return None
-    return [DTensor(o, r._layout, r.shape) for o, r in zip(out, reference)]
-
-
-def _is_tensor_list(value) -> bool:
-    return isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value)
+    n = reference[0]._stack.shape[0]  # (outputs computed once are shared by every device)
+    return [DTensor(o if o.shape[0] == n else o.expand((n,) + o.shape[1:]), r._layout, r.shape)
+            for o, r in zip(out, reference)]
 
 
 _ELEMENT_NAMES = {"norm": "linalg_vector_norm"}  # `_foreach_norm(ord, dtype)` has linalg's signature

@@ -197,5 +197,7 @@ def distribute(value: torch.Tensor, mesh, axes: tuple) -> torch.Tensor:
     value = value.detach().to(mesh.torch_device)
     replicated = value.unsqueeze(0).expand((mesh.num_local_devices(),) + tuple(value.shape))
     steps = plan_on(mesh, (None,) * len(axes), axes)
-    # collectives return fresh memory; without steps, copy
-    return run(replicated, mesh, steps) if steps else replicated.clone(memory_format=torch.contiguous_format)
+    if steps:  # collectives return fresh memory
+        return run(replicated, mesh, steps)
+    # replicated over the whole mesh: one copy that every device shares
+    return value.clone(memory_format=torch.contiguous_format).unsqueeze(0).expand(replicated.shape)

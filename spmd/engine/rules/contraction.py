@@ -4,14 +4,17 @@ einsum-labelled rule, and pairwise distances (cdist), which contract like a matr
 Why the rule holds: a sharded contracted label turns each local product into a partial sum over that mesh
 dim (one all-reduce completes it); a sharded free label simply carries to the output. Label priorities follow
 TF DTensor's matmul rule: free labels beat contracted labels beat batch labels for a mesh dim, and two free
-labels on one mesh dim both become unsharded. A distance ‖x1_p − x2_r‖ is not a sum of products, so its
-feature axis is whole on each device; its gradient sums over r and is a partial sum like a contraction.
+labels on one mesh dim both become unsharded. On a mesh whose devices all live in this process, the partial
+products of a contraction over a sharded label are one product (`summed_product`). A distance ‖x1_p − x2_r‖ is
+not a sum of products, so its feature axis is whole on each device; its gradient sums over r and is a partial sum
+like a contraction.
 """
 
 from __future__ import annotations
 
 import torch
 
+from spmd.collectives.local import spread
 from spmd.engine.registry import register
 from spmd.engine.decision import Decision, OpCall
 
@@ -50,43 +53,67 @@ def einsum_axes(equation: str, operands: list[tuple]) -> tuple[list[tuple], tupl
     return required, tuple(choice.get(l) for l in out), reduced
 
 
-def _mm_kernel(locals_, args, kwargs):
-    return torch.bmm(locals_[0], locals_[1])
+def summed_product(call: OpCall, equation: str, reduced: tuple):
+    """For a mesh whose devices all live in this process: `(a, b) -> stacked sums` of the two-operand
+    `equation`, contracted over the sharded label AND over the devices of the `reduced` mesh dims, as one product
+    with the devices' blocks side by side along the contracted axis (the product plain torch runs) instead of one
+    small product per device. Every device of a reduced group gets the group's sum (one copy, where the group is
+    the whole mesh): the output's pending reduction is then `same` (`spmd/collectives/local.py`), which the
+    all-reduce or reduce-scatter completing it only reads. None where it does not apply (several clients, or
+    nothing reduced, or an input sharded over several mesh dims: the reduction then spans dims the rule does not
+    see)."""
+    mesh = call.mesh
+    grid = tuple(mesh.shape())
+    summed = {mesh.axis_index(m) for m in reduced if mesh.dim_size(m) > 1}
+    if not summed or call.multi_axis or not mesh.is_fully_local():
+        return None
+    labels = _LETTERS.upper()[:len(grid)]
+    kept = "".join(label if i not in summed else "" for i, label in enumerate(labels))
+    terms, out = equation.split("->")
+    grid_equation = ",".join(labels + term for term in terms.split(",")) + f"->{kept}{out}"
+    sizes = tuple(1 if i in summed else n for i, n in enumerate(grid))
+
+    def product(a, b):
+        total = torch.einsum(grid_equation, a.reshape(grid + a.shape[1:]), b.reshape(grid + b.shape[1:]))
+        local = total.shape[len(kept):]
+        return spread(total.reshape(sizes + local), grid, (call.num_local,) + local)
+
+    return product
 
 
-def _bmm_kernel(locals_, args, kwargs):
-    return torch.matmul(locals_[0], locals_[1])
-
-
-def _contraction(call: OpCall, equation: str, kernel) -> Decision:
+def _contraction(call: OpCall, equation: str, product) -> Decision:
     specs = call.specs
     required, out_axes, reduced = einsum_axes(equation, [s.axes for s in specs])
-    return Decision(tuple(required), (out_axes,), kernel, reduce=(reduced,) if reduced else ())
+    summed = summed_product(call, equation, reduced)
+    return Decision(tuple(required), (out_axes,), lambda locals_, args, kwargs: (summed or product)(*locals_),
+                    reduce=(reduced,) if reduced else (), reduce_op="same" if summed else "sum")
 
 
 @register(aten.mm.default, blockwise=True)
 def mm_rule(call: OpCall) -> Decision:
-    return _contraction(call, "mk,kn->mn", _mm_kernel)
+    return _contraction(call, "mk,kn->mn", torch.bmm)
 
 
 @register(aten.bmm.default, blockwise=True)
 def bmm_rule(call: OpCall) -> Decision:
-    return _contraction(call, "bmk,bkn->bmn", _bmm_kernel)
+    return _contraction(call, "bmk,bkn->bmn", torch.matmul)
 
 
 @register(aten.mv.default, blockwise=True)
 def mv_rule(call: OpCall) -> Decision:
-    return _contraction(call, "mk,k->m", lambda l, a, k: torch.matmul(l[0], l[1].unsqueeze(-1)).squeeze(-1))
+    return _contraction(call, "mk,k->m", lambda m, v: torch.matmul(m, v.unsqueeze(-1)).squeeze(-1))
 
 
 @register(aten.dot.default, blockwise=True)
 def dot_rule(call: OpCall) -> Decision:
-    return _contraction(call, "k,k->", lambda l, a, k: (l[0] * l[1]).sum(-1))
+    return _contraction(call, "k,k->", lambda u, v: (u * v).sum(-1))
 
 
 @register(aten.vdot.default, blockwise=True)
 def vdot_rule(call: OpCall) -> Decision:
-    return _contraction(call, "k,k->", lambda l, a, k: (l[0].conj() * l[1]).sum(-1))
+    required, out_axes, reduced = einsum_axes("k,k->", [s.axes for s in call.specs])
+    return Decision(tuple(required), (out_axes,), lambda l, a, k: (l[0].conj() * l[1]).sum(-1),
+                    reduce=(reduced,) if reduced else ())
 
 
 _LETTERS = "abcdefghijklmnopqrstuvwxyz"
@@ -128,12 +155,20 @@ _PRODUCTS = {
 }
 
 
+def _once(out: torch.Tensor) -> torch.Tensor:
+    """What an in-place step writes: one copy where every device shares it (stride 0 over the stack axis)."""
+    return out[:1] if out.stride(0) == 0 else out
+
+
 @register(*_PRODUCTS)
 def addmm_rule(call: OpCall) -> Decision:
     """out = beta * bias + alpha * product(a, b). With a pending sum the bias is added once, after the reduction."""
     equation, local_product = _PRODUCTS[call.func]
     bias, a, b = call.specs
     required, out_axes, reduced = einsum_axes(equation, [a.axes, b.axes])
+    summed = summed_product(call, equation, reduced)
+    local_product = summed or local_product
+    reduce_op = "same" if summed else "sum"
     terms, out = equation.split("->")
     sizes = {label: size for term, s in zip(terms.split(","), (a, b)) for label, size in zip(term, s.shape)}
     out_shape = tuple(sizes[label] for label in out)
@@ -145,14 +180,19 @@ def addmm_rule(call: OpCall) -> Decision:
     def product(locals_, args, kwargs):
         out = local_product(locals_[1], locals_[2])
         alpha = kwargs.get("alpha", 1)
-        return out if alpha == 1 else out.mul_(alpha)
+        if alpha != 1:
+            _once(out).mul_(alpha)
+        return out
 
     def add_bias(out, locals_, kwargs):
         beta = kwargs.get("beta", 1)
-        return out if beta == 0 else out.add_(locals_[0].view(bias_view), alpha=beta)
+        if beta != 0:  # (a sum shared by every device is replicated, and so is the bias added to it)
+            bias = locals_[0].view(bias_view)
+            _once(out).add_(bias[:1] if out.stride(0) == 0 else bias, alpha=beta)
+        return out
 
     if reduced:
-        return Decision((bias_axes, *required), (out_axes,), product, reduce=(reduced,),
+        return Decision((bias_axes, *required), (out_axes,), product, reduce=(reduced,), reduce_op=reduce_op,
                         epilogue=lambda outs, locals_, args, kwargs: [add_bias(outs[0], locals_, kwargs)])
     return Decision((bias_axes, *required), (out_axes,),
                     lambda locals_, args, kwargs: add_bias(product(locals_, args, kwargs), locals_, kwargs))

@@ -319,9 +319,10 @@ def batch_norm_rule(call: OpCall) -> Decision:
     stats = (bn.c,) if training else (None,)
     outputs = (bn.x_axes, stats, stats) + (((None,),) if reserve else ())
     collectives = bn.collectives() if training else ()
+    writes = tuple(slot[n] for n in ("running_mean", "running_var") if n in slot) if training else ()
     if collectives:
-        return Decision(inputs, outputs, kernel, collectives=collectives, single=False)
-    return Decision(inputs, outputs, lambda l, a, k: kernel(l, a, k), single=False)
+        return Decision(inputs, outputs, kernel, collectives=collectives, single=False, writes=writes)
+    return Decision(inputs, outputs, lambda l, a, k: kernel(l, a, k), single=False, writes=writes)
 
 
 # `batch_norm_backward` (the gradient of `_batch_norm_with_update`) names `train` `update` and the saved inverse

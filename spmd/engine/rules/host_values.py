@@ -1,0 +1,66 @@
+"""Composite ops whose torch implementation reads tensor values on the host or makes its result from scratch.
+
+Why not a rule: these ops are CompositeImplicitAutograd, so torch decomposes them in C++ at the autograd key,
+before `__torch_dispatch__` could see them. `tensor_split` with a tensor of indices reads the indices' memory
+(a DTensor's wrapper has none); `linalg.matrix_rank` of an empty batch fills an `at::empty` of its own, a plain
+tensor. So spmd registers, for these overloads only, a kernel at the `PythonTLSSnapshot` key, which only
+tensor subclasses (and active Python modes) reach, above autograd: with no DTensor argument it passes the call
+on unchanged; with one it runs the op in DTensor terms, and torch's own decomposition does the rest.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from spmd.dtensor import DTensor
+from spmd.layout import Layout
+
+aten = torch.ops.aten
+_KEY = torch._C.DispatchKey.PythonTLSSnapshot
+_LIBRARY = torch.library.Library("aten", "IMPL")  # kept alive: dropping it would unregister the kernels
+
+
+def _below(keyset):
+    """The keys the call goes on to after this kernel (autograd, where torch decomposes the op)."""
+    return keyset.remove(_KEY)
+
+
+def _global_value(t: DTensor) -> torch.Tensor:
+    """`t`'s global value as a plain tensor: gathered (and any pending sum resolved) by the dispatcher, so the
+    collectives are spmd's own, seen by `explain` and its recorders."""
+    replicated = Layout.replicated(t._layout.mesh, t.dim()).to_string()
+    return torch.ops.spmd.relayout(t, replicated)._local[0]
+
+
+def _tensor_split_by_tensor(keyset, self, indices, dim=0):
+    # torch reads the indices' values on the host: a DTensor gives its global value (torch then checks its
+    # dtype, rank and device itself, and splits `self` by the Python ints)
+    if isinstance(indices, DTensor) and type(indices._local) is torch.Tensor:  # (fake components hold no values)
+        indices = _global_value(indices)
+    return aten.tensor_split.tensor_indices_or_sections.redispatch(_below(keyset), self, indices, dim)
+
+
+def _matrix_rank(overload):
+    def kernel(keyset, *args, **kwargs):
+        x = args[0]
+        if isinstance(x, DTensor) and x.numel() == 0:
+            return _empty_matrix_rank(overload, args, kwargs)
+        return overload.redispatch(_below(keyset), *args, **kwargs)
+    return kernel
+
+
+def _meta(a):
+    return torch.empty(a.shape, dtype=a.dtype, device="meta") if isinstance(a, torch.Tensor) else a
+
+
+def _empty_matrix_rank(overload, args, kwargs) -> DTensor:
+    """Rank 0 for every matrix of an empty batch (torch's value), laid out like the batch axes."""
+    metas = tuple(_meta(a) for a in args), {k: _meta(v) for k, v in kwargs.items()}
+    overload(*metas[0], **metas[1])  # torch's own checks of the call (not a batch of matrices, a bad dtype)
+    return torch.zeros_like(args[0].sum((-2, -1)), dtype=torch.int64)
+
+
+_LIBRARY.impl("tensor_split.tensor_indices_or_sections", _tensor_split_by_tensor, _KEY.name, with_keyset=True)
+for _overload in (aten.linalg_matrix_rank.default, aten.linalg_matrix_rank.tol_tensor,
+                  aten.linalg_matrix_rank.atol_rtol_tensor, aten.linalg_matrix_rank.atol_rtol_float):
+    _LIBRARY.impl(_overload.name().split("::")[-1], _matrix_rank(_overload), _KEY.name, with_keyset=True)

@@ -1,0 +1,148 @@
+"""Values replicated over the whole mesh are held once (a stack shared by every device, stride 0) and computed once,
+and a contraction's partial products on an in-process mesh are one product (a `same` pending sum). Neither may
+change a value, a component or the collectives an op issues."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import spmd
+from spmd import UNSHARDED as U, Layout
+from spmd.collectives.local import shared
+from sweep import check_replicas, components, gather, issued
+
+
+@pytest.fixture
+def mesh4():
+    return spmd.create_mesh([("batch", 4)])
+
+
+def _storage_bytes(t) -> int:
+    return t._stack.untyped_storage().nbytes()
+
+
+def test_a_replicated_value_is_one_copy_and_ops_on_it_run_once(mesh4):
+    x = torch.randn(8, 6)
+    d = spmd.copy_to_mesh(x, Layout([U, U], mesh4))
+    assert shared(d._stack) and _storage_bytes(d) == x.numel() * 4  # one copy, not four
+    x.add_(1)  # the DTensor does not alias the user's tensor
+    torch.testing.assert_close(gather(d), x - 1)
+    y, collectives = issued(lambda: (d * 2).exp().sum(0))
+    assert shared(y._stack) and collectives == []
+    assert torch.allclose(gather(y), ((x - 1) * 2).exp().sum(0))
+    check_replicas(y)
+
+
+def test_in_place_ops_write_the_shared_copy_once(mesh4):
+    x = torch.randn(8, 6)
+    d = spmd.copy_to_mesh(x, Layout([U, U], mesh4))
+    view = d[2:]  # a view shares the copy: the write reaches it
+    d.mul_(3).add_(1)
+    assert shared(d._stack) and torch.equal(gather(d), x * 3 + 1) and torch.equal(gather(view), (x * 3 + 1)[2:])
+    check_replicas(d)
+
+
+def test_a_write_per_device_gives_each_device_its_own_memory(mesh4):
+    """A batch norm sharded over the batch writes its (replicated) running statistics in its kernel."""
+    bn = nn.BatchNorm1d(6)
+    ref = nn.BatchNorm1d(6)
+    spmd.distribute_module(bn, mesh4)
+    assert shared(bn.running_mean._stack)
+    x = torch.randn(8, 6)
+    bn(spmd.copy_to_mesh(x, Layout(["batch", U], mesh4)))
+    ref(x)
+    assert not shared(bn.running_mean._stack)
+    torch.testing.assert_close(gather(bn.running_mean), ref.running_mean)
+    torch.testing.assert_close(gather(bn.running_var), ref.running_var)
+    check_replicas(bn.running_var)
+
+
+def test_data_parallel_weight_gradient_is_one_product_and_one_all_reduce(mesh4):
+    x, g = torch.randn(8, 4), torch.randn(8, 3)
+    dx, dg = (spmd.copy_to_mesh(t, Layout(["batch", U], mesh4)) for t in (x, g))
+    grad, collectives = issued(lambda: dx.t() @ dg)
+    assert collectives == [] and grad._pending == ("batch",) and grad._pending_op == "same"
+    resolved, collectives = issued(lambda: grad + 0)  # `grad + 0` is not linear in a sum: resolved first
+    assert collectives == [("all_reduce", ("batch",))]
+    assert shared(resolved._stack)
+    torch.testing.assert_close(gather(resolved), x.t() @ g)
+    # a sequence-parallel consumer: the same pending sum is one reduce-scatter
+    out, collectives = issued(lambda: spmd.relayout(dx.t() @ dg, Layout(["batch", U], mesh4)))
+    assert collectives == [("reduce_scatter", ("batch",))]
+    torch.testing.assert_close(gather(out), x.t() @ g)
+
+
+def test_a_same_sum_passes_linear_ops_and_meets_a_sum(mesh4):
+    x, w, v = torch.randn(4, 8), torch.randn(8, 3), torch.randn(8, 3)
+    dx = spmd.copy_to_mesh(x, Layout([U, "batch"], mesh4))
+    dw, dv = (spmd.copy_to_mesh(t, Layout(["batch", U], mesh4)) for t in (w, v))
+    both, collectives = issued(lambda: (dx @ dw - dx @ dv) * 2)
+    assert collectives == [] and both._pending == ("batch",) and both._pending_op == "same"
+    torch.testing.assert_close(gather(both), (x @ w - x @ v) * 2)
+    # a `sum` (partial sums per device) added to a `same` sum: the `same` one is resolved (which only reads it),
+    # and a replicated value plus a sum is not linear in the sum: resolved too
+    partial = spmd.copy_to_mesh(torch.randn(4, 3, 8), Layout([U, U, "batch"], mesh4)).sum(-1)
+    assert partial._pending_op == "sum"
+    mixed, collectives = issued(lambda: dx @ dw + partial)
+    assert collectives == [("all_reduce", ("batch",))] * 2 and not mixed._pending
+    torch.testing.assert_close(gather(mixed), x @ w + gather(partial))
+
+
+@pytest.mark.parametrize("dims", [[("batch", 4)], [("batch", 2), ("model", 2)]])
+def test_megatron_and_2d_products_match_torch_in_every_component(dims):
+    mesh = spmd.create_mesh(dims)
+    model = "model" if len(dims) > 1 else "batch"
+    torch.manual_seed(0)
+    x, w1, w2 = torch.randn(8, 6), torch.randn(6, 8), torch.randn(8, 6)
+    dx = spmd.copy_to_mesh(x, Layout(["batch", U] if model != "batch" else [U, U], mesh)).requires_grad_()
+    d1 = spmd.copy_to_mesh(w1, Layout([U, model], mesh)).requires_grad_()
+    d2 = spmd.copy_to_mesh(w2, Layout([model, U], mesh)).requires_grad_()
+    out = torch.tanh(dx @ d1) @ d2
+    ref = [t.clone().requires_grad_() for t in (x, w1, w2)]
+    want = torch.tanh(ref[0] @ ref[1]) @ ref[2]
+    torch.testing.assert_close(gather(out), want)
+    (out * out).sum().backward()
+    (want * want).sum().backward()
+    for got, r in zip((dx, d1, d2), ref):
+        torch.testing.assert_close(gather(got.grad), r.grad)
+        check_replicas(got.grad)
+
+
+@pytest.mark.parametrize("kind", ["loop", "foreach", "fused"])
+def test_a_data_parallel_step_updates_each_shared_parameter_once(mesh4, kind):
+    torch.manual_seed(0)
+    model, ref = nn.Linear(6, 4), nn.Linear(6, 4)
+    ref.load_state_dict(model.state_dict())
+    spmd.distribute_module(model, mesh4)
+    options = {"loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}[kind]
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, **options)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.1, **options)
+    x = torch.randn(8, 6)
+    for _ in range(3):
+        model(spmd.copy_to_mesh(x, Layout(["batch", U], mesh4))).square().sum().backward()
+        ref(x).square().sum().backward()
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert shared(p._stack), "the parameter stays one copy"
+        torch.testing.assert_close(gather(p), q.detach())
+        assert components(p)[0] == components(p)[3]
+
+
+def test_compiled_graphs_hold_each_devices_own_memory(mesh4):
+    """A shared stack entering a compiled graph gets its own memory per device (the graph may write it)."""
+    w = spmd.copy_to_mesh(torch.randn(4, 4), Layout([U, U], mesh4))
+
+    @spmd.function(backend="aot_eager")
+    def scale(w):
+        w.mul_(2)
+        return w.sum()
+
+    before = gather(w)
+    total = scale(w)
+    assert not shared(w._stack)
+    torch.testing.assert_close(gather(w), before * 2)
+    torch.testing.assert_close(gather(total), (before * 2).sum())
+    check_replicas(w)
