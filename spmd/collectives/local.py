@@ -45,8 +45,6 @@ def spread(part: torch.Tensor, mesh_shape: tuple, stack_shape: tuple) -> torch.T
 
 
 def _reduce(grid: torch.Tensor, axes: tuple[int, ...], op: str) -> torch.Tensor:
-    if op == "same":  # every device of a group already holds the group's reduced value (engine/rules/contraction.py)
-        return grid[tuple(slice(0, 1) if i in axes else slice(None) for i in range(grid.dim()))]
     if op == "sum":
         return grid.sum(dim=axes, keepdim=True)
     if op == "avg":
@@ -62,7 +60,7 @@ class InProcessCollectives(Collectives):
     """Collectives for a mesh whose devices all belong to this process (virtual CPUs or one GPU)."""
 
     def all_reduce(self, x, mesh, mesh_dims, op="sum"):
-        if not mesh_dims:
+        if not mesh_dims or op == "same":  # (every device already holds its group's value)
             return x
         reduced = _reduce(_grid(x, mesh), tuple(mesh.axis_index(d) for d in mesh_dims), op)
         return spread(reduced, tuple(mesh.shape()), x.shape)
@@ -102,6 +100,8 @@ class InProcessCollectives(Collectives):
         return out.contiguous().view((x.shape[0],) + tuple(out.shape[nm:]))
 
     def reduce_scatter(self, x, mesh, mesh_dim, axis, op="sum"):
+        if op == "same":
+            return self.shard(x, mesh, mesh_dim, axis)
         grid, nm, d = _grid(x, mesh), len(mesh.shape()), mesh.axis_index(mesh_dim)
         total = _reduce(grid, (d,), op).squeeze(d)
         out = self._split(total, nm, d, axis, grid.shape[d])
