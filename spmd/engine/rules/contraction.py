@@ -85,7 +85,8 @@ def _contraction(call: OpCall, equation: str, product) -> Decision:
     specs = call.specs
     required, out_axes, reduced = einsum_axes(equation, [s.axes for s in specs])
     summed = summed_product(call, equation, reduced)
-    return Decision(tuple(required), (out_axes,), lambda locals_, args, kwargs: (summed or product)(*locals_),
+    run = summed or product
+    return Decision(tuple(required), (out_axes,), lambda locals_, args, kwargs: run(*locals_),
                     reduce=(reduced,) if reduced else (), reduce_op="same" if summed else "sum")
 
 
