@@ -307,6 +307,15 @@ class DistributedCollectives(Collectives):
         out.index_copy_(0, _const(batch.direct, result), result)
         return out
 
+    def _point_to_point(self, out, x, batch: _Batch, what: str, mesh, dims, send) -> torch.Tensor:
+        """Runs `send(this client's members, ranks, group)`, a point-to-point collective of p2p.py, for one batch
+        of groups, and puts its result in place (see `_direct_out`)."""
+        try:
+            result = send(self._members(x, batch), batch.ranks, _group(batch.ranks))
+        except RuntimeError as e:
+            self._fail(e, what, mesh, dims, batch)
+        return self._direct_out(out, x, result, batch)
+
     def _scatter_back(self, out, per_member, batch: _Batch):
         """Writes per local member `per_member(group, member)` into `out`."""
         for j, g, i in batch.local:
@@ -431,13 +440,10 @@ class DistributedCollectives(Collectives):
         for batch in _plan(mesh, dims).batches:
             self._check_agreement(x, f"all_to_all(axis {gather_axis} -> {shard_axis})", mesh, dims, batch)
             if batch.direct is not None and x.dtype != torch.bool and not _tracing(x) and not p2p.small(x):
-                # one message per piece, each received into its place (p2p.py)
-                mine = self._members(x, batch)
-                try:
-                    result = p2p.all_to_all(mine, batch.ranks, _group(batch.ranks), gather_axis, shard_axis)
-                except RuntimeError as e:
-                    self._fail(e, f"all_to_all(axis {gather_axis} -> {shard_axis})", mesh, dims, batch)
-                out = self._direct_out(out, x, result, batch)
+                # one message per piece, each received into its place
+                out = self._point_to_point(
+                    out, x, batch, f"all_to_all(axis {gather_axis} -> {shard_axis})", mesh, dims,
+                    lambda mine, ranks, group: p2p.all_to_all(mine, ranks, group, gather_axis, shard_axis))
                 continue
             if batch.direct is not None and x.dtype != torch.bool:
                 # send (k, groups, *piece): piece i of each component to client i (= member i), then concatenate
@@ -498,13 +504,10 @@ class DistributedCollectives(Collectives):
             return self.shard(self.all_reduce(x, mesh, dims, op), mesh, mesh_dim, axis)
         out = None  # the direct case: each client receives only the pieces of its own block (p2p.py)
         for batch in batches:
-            self._check_agreement(x, f"reduce_scatter({op}, axis {axis})", mesh, dims, batch)
-            mine = self._members(x, batch)
-            try:
-                result = p2p.reduce_scatter(mine, batch.ranks, _group(batch.ranks), axis, op)
-            except RuntimeError as e:
-                self._fail(e, f"reduce_scatter({op}, axis {axis})", mesh, dims, batch)
-            out = self._direct_out(out, x, result, batch)
+            what = f"reduce_scatter({op}, axis {axis})"
+            self._check_agreement(x, what, mesh, dims, batch)
+            out = self._point_to_point(out, x, batch, what, mesh, dims,
+                                       lambda mine, ranks, group: p2p.reduce_scatter(mine, ranks, group, axis, op))
         return out
 
     def permute(self, x, mesh, from_dims, to_dims):

@@ -395,7 +395,7 @@ def _replicated(func, plan: _Plan, tensors) -> bool:
     runs no collective: then every device computes the same, once is enough. (Not a view: its result must alias
     each device's components, which need not be one copy.)"""
     decision = plan.decision
-    is_view = any(r.alias_info is not None for r in func._schema.returns) and not decision.inplace
+    is_view = _returns_alias(func) and not decision.inplace
     if (plan.mesh.num_local_devices() == 1 or is_view or decision.rebinds or decision.collectives
             or plan.out_pending or plan.out_steps or decision.epilogue is not None
             or torch.Tag.nondeterministic_seeded in func.tags):
@@ -433,10 +433,15 @@ def _plan_from_decision(decision: Decision, call: OpCall, tensors, args, kwargs)
             out_pending = reduced
     if settle or in_steps or out_steps:
         backend_for(mesh)  # a mesh this process cannot communicate over fails here, not where it is consumed
-    is_view = any(r.alias_info is not None for r in call.func._schema.returns)
+    is_view = _returns_alias(call.func)
     return _Plan(decision, _kernel(decision, mesh, args, kwargs), settle, in_steps, out_layouts, out_pending,
                  out_steps, mesh, copied_view=is_view and (bool(in_steps) or decision.copies),
                  written=_written_inputs(call.func, args, kwargs, tensors) + decision.writes, reduce_op=reduce_op)
+
+
+def _returns_alias(func) -> bool:
+    """Whether `func` returns a view of (or writes and returns) one of its inputs."""
+    return any(r.alias_info is not None for r in func._schema.returns)
 
 
 def _written_inputs(func, args, kwargs, tensors) -> tuple[int, ...]:
@@ -501,7 +506,7 @@ def _fallback_decision(call: OpCall) -> Decision:
         return res[0] if single else res
 
     # a view op computed this way returns a copy: an in-place op on it must be refused, not lost
-    is_view = any(r.alias_info is not None for r in schema.returns)
+    is_view = _returns_alias(func)
     return Decision(tuple(tuple([None] * len(s.shape)) for s in call.specs),
                     tuple(None if o is None else (None,) * o.dim() for o in outs), kernel, single=single,
                     copies=is_view)  # a backward op's unneeded gradients are None

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from spmd.collectives.local import spread
+from spmd.collectives.local import shared, spread
 from spmd.engine.registry import register
 from spmd.engine.decision import Decision, OpCall
 
@@ -158,7 +158,7 @@ _PRODUCTS = {
 
 def _once(out: torch.Tensor) -> torch.Tensor:
     """What an in-place step writes: one copy where every device shares it (stride 0 over the stack axis)."""
-    return out[:1] if out.stride(0) == 0 else out
+    return out[:1] if shared(out) else out
 
 
 @register(*_PRODUCTS)
@@ -189,7 +189,7 @@ def addmm_rule(call: OpCall) -> Decision:
         beta = kwargs.get("beta", 1)
         if beta != 0:  # (a sum shared by every device is replicated, and so is the bias added to it)
             bias = locals_[0].view(bias_view)
-            _once(out).add_(bias[:1] if out.stride(0) == 0 else bias, alpha=beta)
+            _once(out).add_(bias[:1] if shared(out) else bias, alpha=beta)
         return out
 
     if reduced:
