@@ -5,7 +5,8 @@
     reduce-scatter (pending sum -> S0), all-reduce (pending sum -> R), for N x N fp32.
 (b) a data-parallel training step of benchmarks/bench_mlp.py's residual MLP (per-rank batch 32): spmd (mesh
     batch=2, `distribute_module` with its gradient buckets, data sharded on batch), spmd without buckets
-    (`bucket_cap_mb=0`: each gradient all-reduced when read) vs DDP vs torch DT (Replicate params, Shard(0) data).
+    (`bucket_cap_mb=0`: each gradient all-reduced when read), the step under `spmd.function` (inductor; aot_eager
+    with --quick) vs DDP vs torch DT (Replicate params, Shard(0) data).
 
 usage: python benchmarks/bench_multiclient.py [--quick] [--sizes 64 512 2048] [--reps R] [--steps N] [--out DIR]
        python benchmarks/bench_multiclient.py --readme-only   # README.md's table from results/multiclient.json
@@ -171,7 +172,7 @@ def _mlp_step_variants(args, rank, mesh, dmesh):
     for opt_name in ("sgd", "adamw"):
         data = Layout(["batch", U], mesh)
         sx, sy = spmd.copy_to_mesh(x, data), spmd.copy_to_mesh(y, data)
-        for name, cap in (("spmd", 25), ("spmd_nb", 0)):  # DDP's default bucket size; no buckets
+        for name, cap in (("spmd", 25), ("spmd_nb", 0), ("fn", 25)):  # DDP's default bucket size; no buckets
             net = spmd.distribute_module(copy.deepcopy(base), mesh, bucket_cap_mb=cap)
             variants[f"{name}/{opt_name}"] = (net, make_opt(opt_name, net.parameters()), sx, sy)
         ddp = DDP(copy.deepcopy(base))
@@ -185,12 +186,17 @@ def _mlp_step_variants(args, rank, mesh, dmesh):
     def step_fn(name):
         model, opt, sx, sy = variants[name]
 
-        def step():
+        def body(sx, sy):
             opt.zero_grad()
             loss = F.mse_loss(model(sx), sy)
             loss.backward()
             opt.step()
-            losses[name].append(loss.detach())
+            return loss
+        if name.startswith("fn/"):  # function mode: one compiled forward+backward graph, one optimizer graph
+            body = spmd.function(body, backend="aot_eager" if args.quick else "inductor", fullgraph=False)
+
+        def step():
+            losses[name].append(body(sx, sy).detach())
         return step
     return {name: step_fn(name) for name in variants}, losses, (d, h, L, b)
 
@@ -282,6 +288,11 @@ def readme_table(data: dict) -> str:
             rows.append(["the same step, spmd without gradient buckets (`bucket_cap_mb=0`)", "DDP " +
                          slash(map(fmt, ddp)), slash(map(fmt, nb)), slash(map(fmt, dt)),
                          slash(map(ratio, nb, ddp)) + " of DDP", slash(map(ratio, nb, dt))])
+        fn = [m["results"].get(f"fn/{o}", {}).get("median") for o in ("sgd", "adamw")]
+        if any(fn):
+            rows.append(["the same step under `spmd.function` (inductor; the gradients' all-reduces in one bucket)",
+                         "DDP " + slash(map(fmt, ddp)), slash(map(fmt, fn)), slash(map(fmt, dt)),
+                         slash(map(ratio, fn, ddp)) + " of DDP", slash(map(ratio, fn, dt))])
     hdr = ["", "raw `torch.distributed`", "spmd", "torch DT", "spmd / raw", "spmd / torch DT"]
     return caption(data) + unit + "\n\n" + md_table(hdr, rows)
 
@@ -325,23 +336,27 @@ def report(data: dict) -> str:
         lines += [f"## Data-parallel training step (residual MLP D={d} H={h} L={L}, batch {b} per client, fp32)", "",
                   "ms per step (median). spmd: mesh batch=2 over the 2 clients, `distribute_module` (every "
                   "parameter a replicated DVariable; gradients reduced in 25 MB buckets during backward, one async "
-                  "all-reduce each), data sharded on batch; spmd no buckets: `bucket_cap_mb=0`; DDP: `DistributedDataParallel` on each client's half; torch DT: "
+                  "all-reduce each), data sharded on batch; spmd no buckets: `bucket_cap_mb=0`; spmd.function: the same step "
+                  "compiled with `spmd.function(fullgraph=False)` (inductor merges the backward graph's gradient "
+                  "all-reduces into 25 MB buckets); DDP: `DistributedDataParallel` on each client's half; torch DT: "
                   "`distribute_module` (parameters `Replicate()`), data `DTensor.from_local(..., [Shard(0)])`. "
                   "`foreach=False` optimisers, as bench_mlp.py. Loss diff: max |loss − DDP's loss| over the first "
                   "steps (same data, same initial weights).", ""]
         rows = []
         for opt in ("sgd", "adamw"):
             get = lambda v: m["results"].get(f"{v}/{opt}", {}).get("median")  # noqa: E731
-            s, nb, ddp, dt = get("spmd"), get("spmd_nb"), get("ddp"), get("dt")
-            errs = [f"{v}: {m['results'][f'{v}/{opt}']['error']}" for v in ("spmd", "spmd_nb", "ddp", "dt")
+            s, nb, fn, ddp, dt = get("spmd"), get("spmd_nb"), get("fn"), get("ddp"), get("dt")
+            errs = [f"{v}: {m['results'][f'{v}/{opt}']['error']}" for v in ("spmd", "spmd_nb", "fn", "ddp", "dt")
                     if "error" in m["results"].get(f"{v}/{opt}", {})]
-            rows.append([opt.upper() if opt == "sgd" else "AdamW", fmt(ddp, 2), fmt(s, 2), fmt(nb, 2), fmt(dt, 2),
-                         ratio(s, ddp), ratio(nb, ddp), ratio(s, dt), f"{m['max_loss_diff_vs_ddp'].get(f'spmd/{opt}', float('nan')):.1e}",
+            rows.append([opt.upper() if opt == "sgd" else "AdamW", fmt(ddp, 2), fmt(s, 2), fmt(nb, 2), fmt(fn, 2),
+                         fmt(dt, 2), ratio(s, ddp), ratio(nb, ddp), ratio(fn, ddp), ratio(s, dt),
+                         f"{m['max_loss_diff_vs_ddp'].get(f'spmd/{opt}', float('nan')):.1e}",
+                         f"{m['max_loss_diff_vs_ddp'].get(f'fn/{opt}', float('nan')):.1e}",
                          f"{m['max_loss_diff_vs_ddp'].get(f'dt/{opt}', float('nan')):.1e}"] + (
                              ["; ".join(errs)] if errs else []))
-        lines += [md_table(["optimizer", "DDP ms", "spmd ms", "spmd no buckets ms", "torch DT ms", "spmd/DDP",
-                            "no buckets/DDP", "spmd/DT",
-                            "spmd loss diff", "DT loss diff"], rows), ""]
+        lines += [md_table(["optimizer", "DDP ms", "spmd ms", "spmd no buckets ms", "spmd.function ms", "torch DT ms",
+                            "spmd/DDP", "no buckets/DDP", "spmd.function/DDP", "spmd/DT",
+                            "spmd loss diff", "spmd.function loss diff", "DT loss diff"], rows), ""]
     return "\n".join(lines)
 
 

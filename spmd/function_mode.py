@@ -29,6 +29,9 @@ from spmd.layout import Layout
 
 # torch's own graph breaks in a training step: autograd's backward and the optimizer's step run between graphs
 MAX_TRACES = 64  # traces of one function (torch's recompile limit) before it runs eagerly
+# inductor merges the independent all-reduces of a graph (a data-parallel backward's gradients) into buckets of up
+# to this size: one torch.distributed call per bucket rather than per gradient, as DDP's buckets (its default size)
+GRAPH_BUCKET_CAP_MB = 25.0
 
 _EXPECTED_BREAKS = ("Tensor.backward()", "torch._dynamo.graph_break()", "`Optimizer.")
 
@@ -206,13 +209,22 @@ def _constrain(out, layouts):
 def _backend(backend, mode, dynamic) -> Callable:
     """The compiler called on each captured graph (torch.compile's own resolution of backend and mode)."""
     if backend == "inductor":
-        from torch._inductor import list_mode_options
+        from torch._inductor import config, list_mode_options
         from torch._inductor.compile_fx import compile_fx
-        patches = list_mode_options(mode, dynamic) if mode else {}
+        patches = {"bucket_all_reduces_fx": "all",
+                   "bucket_all_reduces_fx_bucket_size_determinator": graph_bucket_cap_mb}
+        patches = {k: v for k, v in patches.items() if hasattr(config, k)}
+        patches |= list_mode_options(mode, dynamic) if mode else {}
         return lambda gm, example_inputs: compile_fx(gm, example_inputs, config_patches=patches)
     if mode is not None:
         raise ValueError(f"mode={mode!r} applies to the inductor backend only, not {backend!r}")
     return torch._dynamo.lookup_backend(backend)
+
+
+def graph_bucket_cap_mb(bucket_index: int) -> float:
+    """The size of each all-reduce bucket inductor forms in a compiled graph (a named function: the compiled
+    graph cache pickles it)."""
+    return GRAPH_BUCKET_CAP_MB
 
 
 def _own_code(method) -> Callable:

@@ -250,6 +250,7 @@ def compiled_training():
     """The MLP's step compiled (argv: local devices per client, mesh dims as `batch,model`); reports the losses, and
     the torch.distributed collectives in the compiled forward and backward graphs (recorded with aot_eager)."""
     from torch._dynamo.backends.common import aot_autograd
+    from torch._inductor.utils import run_and_get_code
     import spmd
     per, (batch, model) = int(sys.argv[2]), map(int, sys.argv[3].split(","))
     spmd.initialize_accelerator_system("CPU", num_logical_cpu_devices=per)
@@ -264,9 +265,11 @@ def compiled_training():
 
     recorded, _ = _mlp_losses(mesh, backend=aot_autograd(fw_compiler=recording("forward"),
                                                          bw_compiler=recording("backward")))
-    inductor, layouts = _mlp_losses(mesh, backend="inductor")
+    (inductor, layouts), codes = run_and_get_code(_mlp_losses, mesh, backend="inductor")
+    # inductor's code: the all-reduces of each graph (the backward's merged into one bucket)
+    calls = [n for n in (code.count("_c10d_functional.all_reduce") for code in codes) if n]
     _result({"client": spmd.client_id(), "aot_eager": recorded, "inductor": inductor, "layouts": layouts,
-             "collectives": graphs})
+             "collectives": graphs, "inductor_all_reduces": calls})
 
 
 def dead_client():

@@ -20,7 +20,8 @@ def test_bench_multiclient_quick(tmp_path):
     for name, res in data["mlp"]["results"].items():
         assert "error" not in res, (name, res)
     for opt in ("sgd", "adamw"):
-        assert data["mlp"]["max_loss_diff_vs_ddp"][f"spmd/{opt}"] == pytest.approx(0.0, abs=1e-5)
+        for variant in ("spmd", "fn"):
+            assert data["mlp"]["max_loss_diff_vs_ddp"][f"{variant}/{opt}"] == pytest.approx(0.0, abs=1e-5)
 
 
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")

@@ -80,8 +80,9 @@ def test_training_parity_with_one_process():
     (2, (2, 2), {"forward": 1, "backward": 3}),
 ])
 def test_compiled_training_parity_with_one_process(per_client, dims, collectives):
-    """The MLP's step under spmd.function on 2 clients == eager on 1 process; the compiled graphs hold
-    torch.distributed's functional collectives (an all-reduce and its wait per cross-client reduction)."""
+    """The MLP's step under spmd.function on 2 clients == eager on 1 process; the traced graphs hold
+    torch.distributed's functional collectives (an all-reduce and its wait per cross-client reduction), and
+    inductor's code one all-reduce per graph (the gradients' in one bucket)."""
     sys.path.insert(0, str(WORKER.parent))
     try:
         from multiclient_worker import _mlp_losses
@@ -95,6 +96,8 @@ def test_compiled_training_parity_with_one_process(per_client, dims, collectives
         for graph, n in collectives.items():
             assert sorted(r["collectives"][graph]) == sorted(
                 ["_c10d_functional.all_reduce.default", "_c10d_functional.wait_tensor.default"] * n), graph
+        # inductor merges the backward's gradient all-reduces into one bucket: one call per graph
+        assert r["inductor_all_reduces"] == [1, 1]
 
 
 def _worker_function(name):

@@ -10,6 +10,8 @@ Per mesh dimension the transition table is:
 | a             | b != a        | all_to_all(a -> b), once axis b is free               |
 | pending sum   | -  / b        | all_reduce / reduce_scatter(b)                        |
 
+A sum pending over several mesh dims that the target does not shard is one all-reduce over all of them.
+
 Steps are ordered so that every intermediate state is a valid layout (one mesh dimension per tensor axis).
 Plans depend only on immutable values and are cached.
 
@@ -38,13 +40,16 @@ def plan(src: tuple, dst: tuple, pending: tuple = (), op: str = "sum") -> tuple[
     """Steps from per-axis mesh dims `src` (with a pending `op` reduction over `pending`) to `dst`."""
     cur = list(src)
     steps = []
+    summed = []  # the pending dims that no axis of dst takes: one all-reduce over all of them, after the scatters
     for m in pending:
         if m in dst and cur[dst.index(m)] is None and m not in cur:
             b = dst.index(m)
             steps.append(Collective(Kind.REDUCE_SCATTER, (m,), b, op=op))
             cur[b] = m
         else:
-            steps.append(Collective(Kind.ALL_REDUCE, (m,), op=op))
+            summed.append(m)
+    if summed:
+        steps.append(Collective(Kind.ALL_REDUCE, tuple(summed), op=op))
     while tuple(cur) != dst:
         progressed = False
         for m in _mesh_dims(cur, dst):
@@ -77,6 +82,7 @@ def plan_on(mesh, src: tuple, dst: tuple, pending: tuple = (), op: str = "sum") 
     or `dst` is sharded over several mesh dims."""
     if any(type(a) is tuple for a in src) or any(type(a) is tuple for a in dst):
         return search(mesh, src, dst, pending, op)
+    pending = tuple(d for d in pending if mesh.dim_size(d) > 1)
     return tuple(s for s in plan(src, dst, pending, op) if mesh.dim_size(s.mesh_dims[0]) > 1)
 
 
@@ -117,6 +123,11 @@ def _moves(mesh, axes: tuple, pending: tuple, goal: tuple, op: str):
     size = mesh.dim_size
     block = 1.0 / math.prod(_count(mesh, dims) for dims in axes)  # a device's share of the global tensor
     wanted = {d: b for b, dims in enumerate(goal) for d in dims}
+    summed = tuple(m for m in pending if m not in wanted)  # the dims no reduce-scatter can take: one all-reduce
+    if len(summed) > 1:
+        k = _count(mesh, summed)
+        rest = tuple(m for m in pending if m in wanted)
+        yield Collective(Kind.ALL_REDUCE, summed, op=op), (axes, rest), (1, 2 * (k - 1) / k * block)
     for m in pending:
         rest = tuple(p for p in pending if p != m)
         k = size(m)

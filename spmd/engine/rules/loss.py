@@ -4,8 +4,9 @@
 Why the rules hold: each of these losses is an elementwise term (torch's own op with `reduction='none'`) of its
 broadcast operands — input, target and any weights — then summed or averaged. The term is computed where the
 elements are (any layout, as a pointwise op); a sum is a sum of per-device partial sums, left pending over the
-mesh dims sharding the term (one all-reduce, or a reduce-scatter, for whoever reads it); a mean is that sum,
-all-reduced at once over all of them (one collective), divided by the global element count. The gradient of a
+mesh dims sharding the term (one all-reduce, or a reduce-scatter, for whoever reads it); a mean is the same
+pending sum of the partial sums divided by the global element count (a data-parallel step that never reads its
+loss never reduces it). The gradient of a
 sum or a mean is the elementwise backward term (torch's backward op with `reduction='none'`) with the incoming
 scalar gradient broadcast (divided by the element count for a mean): no collective.
 A loss is one entry of `_LOSSES`: its op and its backward op.
@@ -17,7 +18,6 @@ import math
 
 import torch
 
-from spmd.collectives import Collective, Kind
 from spmd.engine.registry import register
 from spmd.engine.decision import Decision, OpCall, TensorSpec
 from spmd.engine.rules.common import generic_kernel
@@ -61,10 +61,7 @@ def elementwise_loss_rule(call: OpCall) -> Decision:
     dims, count = tuple(m for m in axes if m), math.prod(shape)
     if reduction != _MEAN:
         return Decision(inputs, ((),), kernel, reduce=(dims,))
-    if not dims:
-        return Decision(inputs, ((),), lambda l, a, k: kernel(l, a, k) / count)
-    return Decision(inputs, ((),), lambda l, a, k, run: run(0, kernel(l, a, k)) / count,
-                    collectives=(Collective(Kind.ALL_REDUCE, dims, op="sum"),))
+    return Decision(inputs, ((),), lambda l, a, k: kernel(l, a, k) / count, reduce=(dims,))
 
 
 @register(*filter(None, _LOSSES.values()), floats_at_run_time=True)
