@@ -502,6 +502,29 @@ def bucketed_training():
     _result(out)
 
 
+def donated_all_reduce():
+    """A pending sum resolved by the op that reads it: all-reduced in its own memory when nothing else holds that
+    memory, into a copy when something does (the holder keeps the partial sums)."""
+    import torch
+    import spmd
+    from spmd import UNSHARDED as U, Layout
+    spmd.initialize_accelerator_system("CPU", num_logical_cpu_devices=1)
+    mesh = spmd.create_distributed_mesh([("x", 2)])
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(4, 8, generator=gen), torch.randn(8, 4, generator=gen)
+    da, db = spmd.copy_to_mesh(a, Layout([U, "x"], mesh)), spmd.copy_to_mesh(b, Layout(["x", U], mesh))
+    alone = da @ db  # each client's partial product, pending over x
+    memory = alone._stack.data_ptr()
+    relu = torch.relu(alone)
+    held = da @ db
+    holder, partial = held._stack, held._stack.clone()
+    torch.relu(held)
+    _result({"client": spmd.client_id(), "in_place": alone._stack.data_ptr() == memory,
+             "holder_kept": torch.equal(holder, partial) and held._stack.data_ptr() != holder.data_ptr(),
+             "values": [torch.allclose(spmd.to_global(t), r, atol=1e-6)
+                        for t, r in ((alone, a @ b), (relu, torch.relu(a @ b)), (held, a @ b))]})
+
+
 def _fsdp_training(mesh, steps=3, tensor_parallel=False):
     """A 3-layer MLP (float64) with parameters sharded over "batch" (`shard_parameters`), optionally tensor parallel
     over "model" too, trained with AdamW on batch-sharded data; returns the losses, the final parameters and the

@@ -137,6 +137,13 @@ def test_bucketed_gradients_match_one_process(per_client, dims):
         assert all(step.count(True) == 1 and step.count(False) == 2 for step in calls), calls
 
 
+def test_pending_sum_is_reduced_in_its_own_memory_unless_shared():
+    """gloo all-reduces in place: a pending sum that nothing else holds is reduced where it is (no copy); one whose
+    memory another tensor holds is reduced into a copy, the holder's partial sums untouched."""
+    for r in launch("donated_all_reduce"):
+        assert r["in_place"] and r["holder_kept"] and all(r["values"]), r
+
+
 def test_client_killed_in_bucketed_backward_fails_fast():
     """A client that dies while the buckets of a backward are in flight: the other gets a CollectiveError naming
     the bucket's all-reduce, within the collective timeout."""

@@ -51,8 +51,10 @@ class Collectives(abc.ABC):
     """Collectives over the dimensions of a mesh, on stacked components `(L, *local_shape)`."""
 
     @abc.abstractmethod
-    def all_reduce(self, x: torch.Tensor, mesh, mesh_dims: tuple[str, ...], op: str = "sum") -> torch.Tensor:
-        """Every device gets the reduction (`sum`, `avg`, `max`, `min`) of the components along `mesh_dims`."""
+    def all_reduce(self, x: torch.Tensor, mesh, mesh_dims: tuple[str, ...], op: str = "sum",
+                   donate: bool = False) -> torch.Tensor:
+        """Every device gets the reduction (`sum`, `avg`, `max`, `min`) of the components along `mesh_dims`.
+        `donate`: the caller gives `x` up, so the reduction may be written into its memory."""
 
     @abc.abstractmethod
     def all_gather(self, x: torch.Tensor, mesh, mesh_dim: str, axis: int) -> torch.Tensor:

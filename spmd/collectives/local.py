@@ -59,7 +59,7 @@ def _reduce(grid: torch.Tensor, axes: tuple[int, ...], op: str) -> torch.Tensor:
 class InProcessCollectives(Collectives):
     """Collectives for a mesh whose devices all belong to this process (virtual CPUs or one GPU)."""
 
-    def all_reduce(self, x, mesh, mesh_dims, op="sum"):
+    def all_reduce(self, x, mesh, mesh_dims, op="sum", donate=False):
         if not mesh_dims or op == "same":  # (every device already holds its group's value)
             return x
         reduced = _reduce(_grid(x, mesh), tuple(mesh.axis_index(d) for d in mesh_dims), op)

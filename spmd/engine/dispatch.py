@@ -148,7 +148,17 @@ def resolve(tensor: DTensor) -> None:
         return
     axes, mesh = tensor._layout.axes, tensor._layout.mesh
     steps = planner.plan_on(mesh, axes, axes, tensor._pending, tensor._pending_op)
-    tensor._settle(planner.run(tensor._stack, mesh, steps))
+    donate = _sole_holder(tensor)
+    tensor._settle(planner.run(tensor._stack, mesh, steps, donate))
+
+
+def _sole_holder(tensor: DTensor) -> bool:
+    """Whether nothing but `tensor` holds its components' memory (no view, alias or bucket): its reduction may then
+    be written there, where gloo's in-place all-reduce would otherwise reduce a copy."""
+    stack = tensor._stack
+    # references: tensor's attribute, `stack`, getrefcount's argument; storage uses: `stack`, untyped_storage()
+    return stack._base is None and sys.getrefcount(stack) == 3 and \
+        torch._C._storage_Use_Count(stack.untyped_storage()._cdata) == 2
 
 
 dtensor.install_engine(sys.modules[__name__])
@@ -279,6 +289,7 @@ def _settle_inputs(plan: _Plan, tensors, locals_) -> None:
     for i in plan.settle:
         t = tensors[i]
         if t._pending:  # (one tensor may be several inputs: the first resolves it)
+            locals_[i] = None  # (a reference here would keep resolve from reducing the components in place)
             resolve(t)
         locals_[i] = t._stack
 

@@ -171,23 +171,24 @@ def _mesh_dims(cur, dst):
     return seen
 
 
-def run(local: torch.Tensor, mesh, steps: tuple[Collective, ...]) -> torch.Tensor:
-    """Applies `steps` to stacked components `local` of a tensor on `mesh`."""
+def run(local: torch.Tensor, mesh, steps: tuple[Collective, ...], donate: bool = False) -> torch.Tensor:
+    """Applies `steps` to stacked components `local` of a tensor on `mesh`; with `donate` the caller gives `local`
+    up (the first step may write its result into that memory)."""
     if not steps:
         return local
     comm = backend_for(mesh)
     for s in steps:
-        local = execute(comm, s, local, mesh)
+        local, donate = execute(comm, s, local, mesh, donate), False
     return local
 
 
-def execute(comm, step: Collective, local: torch.Tensor, mesh) -> torch.Tensor:
+def execute(comm, step: Collective, local: torch.Tensor, mesh, donate: bool = False) -> torch.Tensor:
     """Runs one collective on stacked components (and reports it to an active `explain` recorder)."""
     kind = step.kind
     if explain.RECORDERS and kind is not Kind.SHARD:
         explain.collective(kind, step.mesh_dims, local)
     if kind is Kind.ALL_REDUCE:
-        return comm.all_reduce(local, mesh, step.mesh_dims, step.op)
+        return comm.all_reduce(local, mesh, step.mesh_dims, step.op, donate)
     if kind is Kind.PERMUTE:
         return comm.permute(local, mesh, step.from_dims, step.mesh_dims)
     (mesh_dim,) = step.mesh_dims
