@@ -9,6 +9,7 @@ broadcast to replicated DTensors, `out_layouts=` constrains the results, `explai
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import types
 import warnings
@@ -32,6 +33,7 @@ MAX_TRACES = 64  # traces of one function (torch's recompile limit) before it ru
 # inductor merges the independent all-reduces of a graph (a data-parallel backward's gradients) into buckets of up
 # to this size: one torch.distributed call per bucket rather than per gradient, as DDP's buckets (its default size)
 GRAPH_BUCKET_CAP_MB = 25.0
+_ACTIVE = [0]  # spmd.function calls running (see `active`)
 
 _EXPECTED_BREAKS = ("Tensor.backward()", "torch._dynamo.graph_break()", "`Optimizer.")
 
@@ -80,7 +82,7 @@ class Function:
         self._fn = fn
         self._out_layouts = out_layouts
         self._fullgraph = fullgraph
-        self._dynamic = dynamic
+        self.options = dict(backend=backend, mode=mode, dynamic=dynamic)
         self._max_broadcast = max_autobroadcast_elements
         self._forbid = forbidden_kinds(forbid)
         self._traces = 0
@@ -95,7 +97,8 @@ class Function:
         args, kwargs = self._broadcast(args, kwargs)
         traces, breaks = self._traces, _graph_breaks()
         try:
-            out = self._compiled(*args, **kwargs)
+            with _running():
+                out = self._compiled(*args, **kwargs)
         except torch._dynamo.exc.Unsupported as e:
             raise _trace_error(self._fn, e) from None
         except torch._dynamo.exc.BackendCompilerFailed as e:
@@ -137,7 +140,8 @@ class Function:
             raise _Captured
 
         try:
-            torch.compile(_own_code(self._body), backend=capture, dynamic=self._dynamic)(*args, **kwargs)
+            with _running():
+                torch.compile(_own_code(self._body), backend=capture, dynamic=self.options["dynamic"])(*args, **kwargs)
         except torch._dynamo.exc.BackendCompilerFailed as e:
             if not isinstance(e.inner_exception, _Captured):
                 raise
@@ -160,6 +164,9 @@ class Function:
         hoist_relayouts(gm)
         if self._forbid:
             check_forbidden(gm, example_inputs, self._forbid, self.__name__)
+        remote = _remote_of(gm, example_inputs)
+        if remote is not None:  # a single-controller mesh: its workers compile the graph (spmd.controller)
+            return remote.compile_graph(self, gm, example_inputs)
         return self._compile(gm, example_inputs)
 
     def _broadcast(self, args, kwargs):
@@ -188,6 +195,27 @@ class Function:
         if new:
             warnings.warn(f"spmd.function({self.__name__}): parts of the function run eagerly (graph breaks): "
                           + "; ".join(r.splitlines()[0] for r in new), stacklevel=3)
+
+
+def active() -> bool:
+    """Whether an `spmd.function` is running (tracing, or calling its compiled graphs)."""
+    return _ACTIVE[0] > 0
+
+
+@contextlib.contextmanager
+def _running():
+    _ACTIVE[0] += 1
+    try:
+        yield
+    finally:
+        _ACTIVE[0] -= 1
+
+
+def _remote_of(gm, example_inputs):
+    """The session of the single-controller mesh a graph's DTensors live on (None on a mesh of this process)."""
+    attrs = [getattr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"]
+    mesh = next((t._layout.mesh for t in [*example_inputs, *attrs] if isinstance(t, DTensor)), None)
+    return None if mesh is None else mesh.remote
 
 
 def _is_plain(t) -> bool:

@@ -23,6 +23,14 @@ from spmd.layout import Layout
 from spmd.mesh import Mesh
 
 _READY = False
+_CONSTANT_TYPES = [Layout, Mesh]
+
+
+def register_constant_type(cls: type) -> None:
+    """Lets Dynamo read values of `cls` (an immutable Mesh or Layout subclass) as constants."""
+    _CONSTANT_TYPES.append(cls)
+    if _READY:
+        _register_constant_types()
 
 
 def prepare_dynamo() -> None:
@@ -50,7 +58,7 @@ def _register_constant_types() -> None:
     try:  # a private table of torch; without it a layout read inside a compiled function is a graph break
         from torch._dynamo.variables.builder import SourcelessBuilder
         from torch._dynamo.variables.user_defined import UserDefinedObjectVariable
-        for cls in (Layout, Mesh):
+        for cls in _CONSTANT_TYPES:
             SourcelessBuilder._type_handlers[cls] = lambda tx, value: UserDefinedObjectVariable(value)
     except (ImportError, AttributeError):
         pass
@@ -78,7 +86,7 @@ def _skip_spmd_frames() -> None:
 
 # the modules that run inside `__torch_dispatch__` (the user-facing API, e.g. relayout, is inlined by Dynamo)
 _RUNTIME = ("spmd.engine", "spmd.collectives", "spmd.dtensor",
-            "spmd.api", "spmd.ops")
+            "spmd.api", "spmd.ops", "spmd.controller")
 
 
 def _skip_code_tree(code: types.CodeType, skip, seen: set) -> None:

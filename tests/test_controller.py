@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import importlib.util
 import os
+import pickle
 import signal
 import time
 
@@ -19,8 +20,8 @@ from torch import nn
 
 import spmd
 from spmd import UNSHARDED as U, Layout
-from spmd.controller import (Controller, ControllerError, RemoteDTensor, WorkerDiedError, WorkerError, reaper,
-                             shadow_cache)
+from spmd.controller import (Controller, ControllerError, RemoteDTensor, WorkerDiedError, WorkerError, protocol,
+                             reaper, shadow_cache)
 
 ENGINES = [pytest.param(name, marks=pytest.mark.skipif(importlib.util.find_spec(package) is None,
                                                        reason=f"{package} is not installed"))
@@ -160,12 +161,98 @@ def test_shadow_cache_check_catches_a_wrong_record(mesh):
         shadow_cache._CACHE[key] = entry
 
 
-def test_function_mode_is_refused_by_name(mesh):
+def test_torch_compile_alone_is_refused_by_name(mesh):
     x = spmd.copy_to_mesh(torch.arange(8.), Layout(["batch"], mesh))
-    f = spmd.function(lambda a: (a * a).sum(), backend="eager")
-    with pytest.raises(Exception, match="do not run on a controller mesh yet"):
-        f(x)
+    with pytest.raises(Exception, match="use spmd.function"):
+        torch.compile(lambda a: (a * a).sum(), backend="eager")(x)
     assert (x * x).sum().item() == 140.0  # the workers are unaffected
+
+
+def test_function_mode_needs_a_backend_the_workers_can_name(mesh):
+    x = spmd.copy_to_mesh(torch.arange(8.), Layout(["batch"], mesh))
+    with pytest.raises(Exception, match="name its backend"):
+        spmd.function(lambda a: (a * a).sum(), backend=lambda gm, inputs: gm)(x)
+
+
+def _instructions(ctl, monkeypatch) -> list:
+    """The kinds of the instructions (an op's name for an op) the controller sends to all workers from now on."""
+    sent, engine = [], ctl._session.engine
+    send_all = engine.send_all
+    monkeypatch.setattr(engine, "send_all", lambda payload: (
+        sent.extend(i[1] if i[0] == protocol.OP else i[0] for i in pickle.loads(payload)[1]), send_all(payload)))
+    return sent
+
+
+def test_function_runs_each_graph_on_the_workers_with_one_instruction(ctl, mesh, monkeypatch):
+    torch.manual_seed(0)
+    x, w = torch.randn(8, 16), torch.randn(16, 4)
+    dx = spmd.copy_to_mesh(x, Layout(["batch", U], mesh))
+    dw = spmd.copy_to_mesh(w, Layout([U, "model"], mesh)).requires_grad_()
+
+    @spmd.function(backend="aot_eager")
+    def f(a):  # the relayout names the controller's mesh: the workers' graph names theirs
+        return spmd.relayout((a @ dw).relu(), Layout(["batch", U], mesh)).sum()
+
+    f(dx).backward()  # traced here, compiled by the workers, metadata of its results read once
+    dw.grad = None
+    ctl.sync()
+    sent = _instructions(ctl, monkeypatch)
+    out = f(dx)
+    out.backward()
+    ctl.sync()
+    # the graph and its backward, one instruction each; autograd's seed gradient and its detach of the gradient
+    assert sent == [protocol.RUN_GRAPH, "aten.ones_like.default", protocol.GRAPH_BACKWARD, "aten.detach.default"]
+    wr = w.clone().requires_grad_()
+    expected = (x @ wr).relu().sum()
+    expected.backward()
+    torch.testing.assert_close(out.item(), expected.item())
+    torch.testing.assert_close(spmd.to_global(dw.grad), wr.grad)
+    assert spmd.fetch_layout(dw.grad) == spmd.fetch_layout(dw) and f.experimental_get_tracing_count() == 1
+    assert [(c.kind, c.mesh_dims) for c in f.explain(dx).collectives] == [("all_gather", ("model",)),
+                                                                        ("all_reduce", ("batch",))]
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_function_training_step_matches_one_process(ctl, mesh, optimizer, monkeypatch):
+    """The forward, the backward and the optimizer's step are graphs the workers compile (Adam's step counts,
+    tensors of the controller, are counted here and sent with each call)."""
+    def make(params):
+        if optimizer == "sgd":
+            return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+        return torch.optim.Adam(params, lr=1e-2)
+
+    torch.manual_seed(0)
+    model, reference = MLP(), MLP()
+    reference.load_state_dict(model.state_dict())
+    batches = [(torch.randn(8, 16), torch.randn(8, 4)) for _ in range(5)]
+    ref_opt = make(reference.parameters())
+    expected = [_step(reference, ref_opt, batch, lambda t: t) for batch in batches]
+    spmd.distribute_module(model, mesh, _mlp_layouts(mesh))
+    opt = make(model.parameters())
+
+    def step(x, y):
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    compiled = spmd.function(step, backend="aot_eager", fullgraph=False)
+    to_input = lambda t: spmd.copy_to_mesh(t, Layout(["batch", U], mesh))  # noqa: E731
+    losses = [compiled(to_input(x), to_input(y)).item() for x, y in batches[:-1]]
+    x, y = to_input(batches[-1][0]), to_input(batches[-1][1])
+    ctl.sync()
+    sent = _instructions(ctl, monkeypatch)
+    losses.append(compiled(x, y).item())
+    assert sent.count(protocol.RUN_GRAPH) == 2 and sent.count(protocol.GRAPH_BACKWARD) == 1
+    assert set(sent) - {protocol.RUN_GRAPH, protocol.GRAPH_BACKWARD} <= {"aten.ones_like.default",
+                                                                          "aten.detach.default"}
+    assert losses == pytest.approx(expected, rel=1e-5, abs=1e-6)
+    assert compiled.experimental_get_tracing_count() == 1
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(spmd.to_global(p), q.detach(), msg=name)
+        for key, value in ref_opt.state[q].items():  # the optimizer's state, on the controller as eagerly
+            torch.testing.assert_close(_global(opt.state[p][key]), value, msg=f"{name} {key}")
 
 
 def test_a_second_controller_gets_its_own_layouts(ctl, mesh):

@@ -25,6 +25,7 @@ def _fn_cases():
         "mlp": (lambda x, w: torch.relu(x @ w).sum(-1), [(4, 8), (8, 4)]),
         "softmax_mean": (lambda x, w: (F.softmax(x @ w, -1) * 2).mean(0), [(4, 8), (8, 4)]),
         "view_transpose": (lambda x, w: (x.reshape(2, 2, 8).transpose(0, 1) + 1).sum(1) @ w, [(4, 8), (8, 4)]),
+        "mse_loss": (lambda x, w: F.mse_loss(x @ w, x[:, :4].detach()), [(4, 8), (8, 4)]),
     }
 
 

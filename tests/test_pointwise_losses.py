@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._dispatch.python import enable_python_dispatcher
 
 import spmd
 from spmd import UNSHARDED as U
@@ -220,3 +221,21 @@ def test_spatial_nll_with_the_class_axis_sharded_gathers_only_the_classes():
     out, collectives = issued(lambda: F.nll_loss(x, target, reduction="none"))
     assert collectives == [("all_gather", ("y",))]
     assert spmd.fetch_layout(out).sharding_specs == ["x", U, U]
+
+
+
+def test_broadcast_tensors_matches_torch_for_every_layout():
+    # torch decomposes it into one expand per operand before a DTensor sees it, except under the Python dispatcher
+    # that torch.compile traces with: there its own rule runs
+    with enable_python_dispatcher():
+        check_op(lambda a, b: torch.broadcast_tensors(a, b), [rand(4, 1, 6), rand(4, 6, seed=1)])
+
+
+def test_broadcast_tensors_expands_each_operand_in_its_own_layout():
+    a = spmd.copy_to_mesh(rand(4, 6), Layout(["x", "y"], MESH))
+    b = spmd.copy_to_mesh(rand(6, seed=1), Layout(["y"], MESH))
+    with enable_python_dispatcher():
+        (out_a, out_b), collectives = issued(lambda: torch.broadcast_tensors(a, b))
+    assert collectives == []
+    assert spmd.fetch_layout(out_a).sharding_specs == ["x", "y"] and spmd.fetch_layout(out_b).sharding_specs == [U, "y"]
+    torch.testing.assert_close(spmd.to_global(out_b), rand(6, seed=1).expand(4, 6))

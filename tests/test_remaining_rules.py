@@ -179,9 +179,9 @@ def test_embedding_bag_over_a_column_sharded_table_runs_no_collective():
 
 
 @pytest.mark.parametrize("specs, reads", [(("x", U), [("x",)]), ((U, "y"), [("y",)]),
-                                          (("x", "y"), [("x",), ("y",)])])
+                                          (("x", "y"), [("x", "y")])])
 def test_histogram_of_a_sharded_tensor_is_one_all_reduce_when_read(specs, reads):
-    """A pending sum of the shards' histograms, resolved when read (one all-reduce per mesh dim sharding it)."""
+    """A pending sum of the shards' histograms, resolved when read (one all-reduce over the mesh dims sharding it)."""
     x = rand(4, 4)
     dx = _sharded(x, *specs)
     out, collectives = issued(lambda: _no_fallback(lambda: torch.histc(dx, 6, -1, 1)))

@@ -17,8 +17,11 @@ from contextlib import contextmanager
 import torch
 
 from spmd.controller.errors import ControllerError
+from spmd import function_mode
 from spmd.dtensor import DTensor
+from spmd.engine import dispatch
 from spmd.mesh import Mesh
+from spmd.tracing import register_constant_type
 
 _SHADOW = [0]  # > 0 while spmd's engine runs on metadata shadows
 _META, _CPU = torch.device("meta"), torch.device("cpu")
@@ -63,6 +66,9 @@ class ControllerMesh(Mesh):
         return None if _SHADOW[0] else self._session
 
 
+register_constant_type(ControllerMesh)
+
+
 class RemoteDTensor(DTensor):
     """A DTensor of a controller mesh: `_stack` is its shadow, `_handle` names the real one on the workers."""
 
@@ -71,19 +77,32 @@ class RemoteDTensor(DTensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        return _session_of(args).run_op(func, args, kwargs or {})
+        session = _session_of(args)
+        if session is None:  # fakes of controller DTensors, traced by `spmd.function`: the engine decides alone
+            with shadow():
+                return DTensor.__torch_dispatch__(func, types, args, kwargs)
+        return session.run_op(func, args, kwargs or {})
 
     @property
     def _local(self) -> torch.Tensor:
         """The engine (on shadows) reads the shadow; anyone else reads the real components, fetched."""
-        if _SHADOW[0]:
+        if _SHADOW[0] or not hasattr(self, "_session"):  # (a fake, traced by spmd.function, has no session)
             return DTensor._local.fget(self)
         return self._session.fetch_stack(self)
 
     def __tensor_flatten__(self):
-        # torch.compile would trace the shadows into a graph of meta kernels that never reaches the workers
-        raise ControllerError("spmd.function and torch.compile do not run on a controller mesh yet: call the "
-                              "function without them (its ops are sent to the workers as they run)")
+        if not function_mode.active():  # torch.compile alone would trace the shadows into meta kernels, sent nowhere
+            raise ControllerError("torch.compile does not run on a controller mesh: use spmd.function, which "
+                                  "traces on the controller and compiles on the workers")
+        if self._pending:  # a compiled graph resolves its inputs: the workers' graph resolves theirs
+            with shadow():
+                dispatch.resolve(self)
+        return ["_stack"], (self._layout, self._stack.stride())
+
+    @classmethod
+    def __tensor_unflatten__(cls, inner, meta, outer_size, outer_stride):
+        with shadow():  # a fake for Dynamo: nothing to send
+            return DTensor.__new__(cls, inner["_stack"], meta[0], tuple(outer_size))
 
     def __deepcopy__(self, memo):
         with torch.no_grad():
@@ -108,9 +127,9 @@ def remote_class(cls: type) -> type:
 def _session_of(args):
     for a in args:
         if isinstance(a, RemoteDTensor):
-            return a._session
+            return getattr(a, "_session", None)
         if type(a) is list or type(a) is tuple:
             for b in a:
                 if isinstance(b, RemoteDTensor):
-                    return b._session
+                    return getattr(b, "_session", None)
     raise TypeError("a controller DTensor op without a controller DTensor argument")

@@ -14,8 +14,9 @@ import pickle
 import weakref
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
-from spmd.controller import checkpoint, datasets, protocol, shadow_cache
+from spmd.controller import checkpoint, datasets, protocol, shadow_cache, traced
 from spmd.controller.errors import ControllerError, WorkerDiedError, WorkerError
 from spmd.controller.remote import ControllerMesh, RemoteDTensor, remote_class, shadow
 from spmd.dtensor import DTensor
@@ -97,6 +98,13 @@ class Session:
         self._meshes[mesh.to_string()] = mesh
         self.send((protocol.MESH, mesh.mesh_id, mesh.dims, mesh.name))
 
+    def meshes(self) -> list[ControllerMesh]:
+        return list(self._meshes.values())
+
+    def mesh_table(self) -> dict:
+        """mesh id -> mesh (to decode the workers' references to their meshes)."""
+        return {mesh.mesh_id: mesh for mesh in self._meshes.values()}
+
     def refs(self, value):
         if isinstance(value, RemoteDTensor):
             return protocol.Handle(value._handle)
@@ -122,10 +130,19 @@ class Session:
 
     def new_id(self, owner) -> int:
         """A new id for a worker-side object (a DTensor, a dataset, an iterator), freed there when `owner` is."""
-        h = self._next_handle
-        self._next_handle += 1
+        h = self.reserve(1)[0]
         self._refs[h] = weakref.ref(owner, lambda _, h=h: self._dropped(h))
         return h
+
+    def reserve(self, n: int) -> list[int]:
+        """`n` new ids, for worker-side DTensors whose controller objects are made later (`bind`)."""
+        first = self._next_handle
+        self._next_handle += n
+        return list(range(first, first + n))
+
+    def bind(self, t: RemoteDTensor, handle: int) -> None:
+        t._handle, t._session = handle, self
+        self._refs[handle] = weakref.ref(t, lambda _, h=handle: self._dropped(h))
 
     def _dropped(self, handle: int) -> None:
         self._refs.pop(handle, None)
@@ -179,6 +196,8 @@ class Session:
     def adopt(self, t: DTensor) -> RemoteDTensor:
         """Sends the real components of `t` (built on the controller) to the workers; returns its remote twin."""
         stack = t._stack
+        if isinstance(stack, FakeTensor):  # a value of a graph that `spmd.function` traces: nothing to send
+            return t
         if stack.is_meta:
             raise ControllerError("a DTensor of a controller mesh was built from shadow components outside the "
                                   "engine; spmd.controller supports the public API (ops, relayout, copy_to_mesh, "
@@ -213,7 +232,11 @@ class Session:
         """Waits until the workers ran everything sent so far; raises a stored worker failure."""
         self.call("info")
 
-    # -- checkpoints and datasets, done by the workers (`spmd.checkpoint` and `spmd.data` call these) -----------
+    # -- function mode, checkpoints and datasets, done by the workers (`spmd.checkpoint` and `spmd.data` call these) -----------
+    def compile_graph(self, function, gm, example_inputs):
+        """A graph `spmd.function` traced on this session's meshes: compiled and run by the workers."""
+        return traced.compile_graph(self, function, gm, example_inputs)
+
     def checkpoint_save(self, state_dict, path) -> None:
         checkpoint.save(self, state_dict, path)
 

@@ -16,8 +16,8 @@ import traceback
 
 import torch
 
-from spmd import api, checkpoint, data, runtime
-from spmd.controller import protocol
+from spmd import api, checkpoint, data, function_mode, runtime
+from spmd.controller import protocol, traced
 from spmd.dtensor import DTensor, make
 from spmd.engine import dispatch
 
@@ -77,6 +77,44 @@ class WorkerState:
         mesh = runtime.create_distributed_mesh(dims, name)
         self.meshes[mesh_id] = mesh
         self.device = mesh.torch_device
+
+    # -- function mode (spmd/controller/traced.py) -----------------------------------------------------------------
+    def _graph(self, graph_id, payload, meshes, options) -> None:
+        """Compiles a graph the controller traced, as this process's own multi-client `spmd.function`."""
+        gm = pickle.loads(payload)
+        ours = {name: self.meshes[mesh_id].to_string() for name, mesh_id in meshes.items()}
+        for node in gm.graph.nodes:  # layout strings name the controller's meshes: this worker's instead
+            node.args = tuple(_rename_meshes(a, ours) for a in node.args)
+        gm.recompile()
+
+        def graph(*args):
+            return gm(*args)
+
+        self.objects[graph_id] = function_mode.function(graph, fullgraph=True, **options)
+
+    def _run_graph(self, graph_id, args, out_handles, call_id, needs_grad) -> None:
+        compiled = self.objects[graph_id]
+        args = protocol.decode(args, self.table, self.meshes, self.device)
+        if call_id is None:
+            with torch.no_grad():
+                outs = compiled(*args)
+        else:  # the controller's autograd calls `_graph_backward` with this call's state
+            args = [a.detach().requires_grad_() if need else a for a, need in zip(args, needs_grad)]
+            with torch.enable_grad():
+                outs = compiled(*args)
+            self.objects[call_id] = (outs, [a for a, need in zip(args, needs_grad) if need])
+        self.table.update((h, o) for h, o in zip(out_handles, outs) if h is not None)
+
+    def _graph_backward(self, call_id, grads, grad_handles) -> None:
+        outs, inputs = self.objects.pop(call_id)
+        grads = protocol.decode(grads, self.table, self.meshes, self.device)
+        pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
+        got = torch.autograd.grad([o for o, _ in pairs], inputs, [g for _, g in pairs], allow_unused=True)
+        self.table.update((h, g) for h, g in zip(grad_handles, got) if g is not None)
+
+    def _graph_results(self, handles) -> list:
+        ids = {mesh.to_string(): mesh_id for mesh_id, mesh in self.meshes.items()}
+        return traced.results_metadata(self.table, handles, ids)
 
     def _iter(self, dataset_id, iterator_id) -> None:
         self.objects[iterator_id] = iter(self.objects[dataset_id])
@@ -139,10 +177,12 @@ class WorkerState:
 
 
 _RUN = {protocol.OP: WorkerState._op, protocol.PUT: WorkerState._put, protocol.MESH: WorkerState._mesh,
-        protocol.ITER: WorkerState._iter, protocol.BATCH: WorkerState._batch}
+        protocol.ITER: WorkerState._iter, protocol.BATCH: WorkerState._batch, protocol.GRAPH: WorkerState._graph,
+        protocol.RUN_GRAPH: WorkerState._run_graph, protocol.GRAPH_BACKWARD: WorkerState._graph_backward}
 _CALLS = {"stack": WorkerState._stack, "item": WorkerState._item, "info": WorkerState._info,
           "dataset": WorkerState._dataset, "next_batch": WorkerState._next_batch,
-          "checkpoint_save": WorkerState._checkpoint_save, "checkpoint_load": WorkerState._checkpoint_load}
+          "checkpoint_save": WorkerState._checkpoint_save, "checkpoint_load": WorkerState._checkpoint_load,
+          "graph_results": WorkerState._graph_results}
 
 
 def _dtensors(out) -> list:
@@ -151,6 +191,16 @@ def _dtensors(out) -> list:
     if isinstance(out, (list, tuple)):
         return [t for o in out for t in _dtensors(o)]
     return []
+
+
+def _rename_meshes(value, names: dict):
+    if isinstance(value, str):
+        for theirs, ours in names.items():
+            value = value.replace(theirs, ours)
+        return value
+    if isinstance(value, (list, tuple)):
+        return type(value)(_rename_meshes(v, names) for v in value)
+    return value
 
 
 def _describe(instruction, error: Exception) -> str:

@@ -111,6 +111,17 @@ def expand_rule(call: OpCall) -> Decision:
     return Decision((need,), (out,), lambda l, a, k: l[0].view(aligned).expand(local))
 
 
+@register(aten.broadcast_tensors.default)
+def broadcast_tensors_rule(call: OpCall) -> Decision:
+    """Each operand expanded to the common shape, as torch's eager decomposition does (traced under the Python
+    dispatcher, the op can reach a DTensor whole: `F.mse_loss` broadcasts its operands first)."""
+    shape = torch.broadcast_shapes(*[s.shape for s in call.specs])
+    expands = [expand_rule(replace(call, func=aten.expand.default, args=(s, shape), kwargs={})) for s in call.specs]
+    kernels = [d.kernel for d in expands]
+    return Decision(tuple(d.inputs[0] for d in expands), tuple(d.outputs[0] for d in expands),
+                    lambda l, a, k: [kernel([x], a, k) for kernel, x in zip(kernels, l)], single=False)
+
+
 @register(aten.permute.default)
 @keeps_pending
 def permute_rule(call: OpCall) -> Decision:
