@@ -174,12 +174,13 @@ def test_function_mode_needs_a_backend_the_workers_can_name(mesh):
         spmd.function(lambda a: (a * a).sum(), backend=lambda gm, inputs: gm)(x)
 
 
-def _instructions(ctl, monkeypatch) -> list:
-    """The kinds of the instructions (an op's name for an op) the controller sends to all workers from now on."""
+def _messages(ctl, monkeypatch) -> list[list]:
+    """The messages the controller sends to all workers from now on: each the kinds of its instructions (an op's
+    name for an op)."""
     sent, engine = [], ctl._session.engine
     send_all = engine.send_all
     monkeypatch.setattr(engine, "send_all", lambda payload: (
-        sent.extend(i[1] if i[0] == protocol.OP else i[0] for i in pickle.loads(payload)[1]), send_all(payload)))
+        sent.append([i[1] if i[0] == protocol.OP else i[0] for i in pickle.loads(payload)[1]]), send_all(payload)))
     return sent
 
 
@@ -196,12 +197,13 @@ def test_function_runs_each_graph_on_the_workers_with_one_instruction(ctl, mesh,
     f(dx).backward()  # traced here, compiled by the workers, metadata of its results read once
     dw.grad = None
     ctl.sync()
-    sent = _instructions(ctl, monkeypatch)
+    sent = _messages(ctl, monkeypatch)
     out = f(dx)
     out.backward()
     ctl.sync()
-    # the graph and its backward, one instruction each; autograd's seed gradient and its detach of the gradient
-    assert sent == [protocol.RUN_GRAPH, "aten.ones_like.default", protocol.GRAPH_BACKWARD, "aten.detach.default"]
+    # one message: the graph and its backward, one instruction each; autograd's seed gradient and its detach of
+    # the gradient
+    assert sent == [[protocol.RUN_GRAPH, "aten.ones_like.default", protocol.GRAPH_BACKWARD, "aten.detach.default"]]
     wr = w.clone().requires_grad_()
     expected = (x @ wr).relu().sum()
     expected.backward()
@@ -242,8 +244,10 @@ def test_function_training_step_matches_one_process(ctl, mesh, optimizer, monkey
     losses = [compiled(to_input(x), to_input(y)).item() for x, y in batches[:-1]]
     x, y = to_input(batches[-1][0]), to_input(batches[-1][1])
     ctl.sync()
-    sent = _instructions(ctl, monkeypatch)
+    messages = _messages(ctl, monkeypatch)
     losses.append(compiled(x, y).item())
+    assert len(messages) == 1  # the step, sent as the loss is read
+    sent = messages[0]
     assert sent.count(protocol.RUN_GRAPH) == 2 and sent.count(protocol.GRAPH_BACKWARD) == 1
     assert set(sent) - {protocol.RUN_GRAPH, protocol.GRAPH_BACKWARD} <= {"aten.ones_like.default",
                                                                           "aten.detach.default"}
