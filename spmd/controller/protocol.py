@@ -126,4 +126,3 @@ def decode(value, table, meshes, device):
 
 def layout_on(mesh, specs) -> Layout:
     return Layout(list(specs), mesh)
-

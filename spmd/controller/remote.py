@@ -16,8 +16,8 @@ from contextlib import contextmanager
 
 import torch
 
-from spmd.controller.errors import ControllerError
 from spmd import function_mode
+from spmd.controller.errors import ControllerError
 from spmd.dtensor import DTensor
 from spmd.engine import dispatch
 from spmd.mesh import Mesh

@@ -131,7 +131,7 @@ class Session:
     def new_id(self, owner) -> int:
         """A new id for a worker-side object (a DTensor, a dataset, an iterator), freed there when `owner` is."""
         h = self.reserve(1)[0]
-        self._refs[h] = weakref.ref(owner, lambda _, h=h: self._dropped(h))
+        self._track(owner, h)
         return h
 
     def reserve(self, n: int) -> list[int]:
@@ -142,7 +142,10 @@ class Session:
 
     def bind(self, t: RemoteDTensor, handle: int) -> None:
         t._handle, t._session = handle, self
-        self._refs[handle] = weakref.ref(t, lambda _, h=handle: self._dropped(h))
+        self._track(t, handle)
+
+    def _track(self, owner, handle: int) -> None:
+        self._refs[handle] = weakref.ref(owner, lambda _, h=handle: self._dropped(h))
 
     def _dropped(self, handle: int) -> None:
         self._refs.pop(handle, None)
@@ -232,7 +235,7 @@ class Session:
         """Waits until the workers ran everything sent so far; raises a stored worker failure."""
         self.call("info")
 
-    # -- function mode, checkpoints and datasets, done by the workers (`spmd.checkpoint` and `spmd.data` call these) -----------
+    # -- done by the workers: traced graphs, checkpoints, datasets (spmd.function, .checkpoint, .data call these) --
     def compile_graph(self, function, gm, example_inputs):
         """A graph `spmd.function` traced on this session's meshes: compiled and run by the workers."""
         return traced.compile_graph(self, function, gm, example_inputs)

@@ -87,7 +87,7 @@ class WorkerState:
             node.args = tuple(_rename_meshes(a, ours) for a in node.args)
         gm.recompile()
 
-        def graph(*args):
+        def graph(*args):  # (spmd.function wraps functions: a module has no __name__ or code of its own)
             return gm(*args)
 
         self.objects[graph_id] = function_mode.function(graph, fullgraph=True, **options)
