@@ -149,13 +149,13 @@ def readme(data: dict) -> str:
             f"{data['environment']}):\n\n{table}")
 
 
-def main() -> None:
+def main(argv=None) -> dict | None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--engines", nargs="+", default=list(PACKAGES))
     output_arguments(parser, "controller")
     parser.add_argument("--client", type=int, default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.client is not None:
         return client_main(args.client, args.quick)
     if args.readme_only:
@@ -167,6 +167,7 @@ def main() -> None:
     data = {"quick": args.quick, "environment": environment(), "engines": engines,
             "multiclient_step_ms": multiclient["eager"], "multiclient_function_step_ms": multiclient["function"]}
     write_results("controller", readme(data), data, args.out, readme=readme)
+    return data
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@
 No timing is asserted; only that every case runs and the MLP variants train to the same loss as plain torch.
 """
 
+import importlib.util
+
 import pytest
 
 from benchmarks import bench_mlp, bench_ops
@@ -69,3 +71,12 @@ def test_bench_optim_quick(tmp_path, monkeypatch):
     assert [r["optimizer"] for r in data["rows"]] == list(bench_optim.OPTIMIZERS)
     for row in data["rows"]:
         assert not row["errors"] and {"plain", "spmd1", "spmd8", "dt"} <= set(row), row
+
+
+@pytest.mark.skipif(importlib.util.find_spec("monarch") is None, reason="torchmonarch is not installed")
+def test_bench_controller_quick(tmp_path):
+    from benchmarks import bench_controller
+    data = bench_controller.main(["--quick", "--engines", "monarch", "--out", str(tmp_path)])
+    assert (tmp_path / "controller.md").exists()
+    r = data["engines"]["monarch"]
+    assert r["step_ms"] > 0 and r["function_step_ms"] > 0 and data["multiclient_function_step_ms"] > 0
