@@ -25,6 +25,7 @@ from spmd.layout import Layout
 from spmd.ops import parse_layout
 
 _RELAYOUT = torch.ops.spmd.relayout.default
+_DETACH = torch.ops.aten.detach.default
 _TENSOR_RETURNS = ("Tensor", "List[Tensor]", "Optional[Tensor]", "List[Optional[Tensor]]")  # (str of a schema type)
 _READS: dict = {}  # op -> whether it returns Python values (it reads the components: `.item()`, `equal`)
 
@@ -40,7 +41,7 @@ class Session:
         self._next_handle = 0
         self._freed: list[int] = []
         self._buffer: list[tuple] = []  # instructions not sent yet
-        self._refs: dict[int, weakref.ref] = {}
+        self._refs: dict[int, list[weakref.ref]] = {}  # handle -> its controller objects (a detach shares one)
         self._meshes: dict[str, ControllerMesh] = {}
         self.traffic = {"sent": 0, "fetched": 0}  # bytes of components sent to (once) and fetched from the workers
 
@@ -145,11 +146,15 @@ class Session:
         self._track(t, handle)
 
     def _track(self, owner, handle: int) -> None:
-        self._refs[handle] = weakref.ref(owner, lambda _, h=handle: self._dropped(h))
+        self._refs.setdefault(handle, []).append(weakref.ref(owner, lambda ref, h=handle: self._dropped(h, ref)))
 
-    def _dropped(self, handle: int) -> None:
-        self._refs.pop(handle, None)
-        self._freed.append(handle)
+    def _dropped(self, handle: int, ref) -> None:
+        owners = self._refs.get(handle, [])
+        if ref in owners:
+            owners.remove(ref)
+        if not owners:  # the last controller object of the handle
+            self._refs.pop(handle, None)
+            self._freed.append(handle)
 
     # -- ops --------------------------------------------------------------------------------------------------
     def run_op(self, func, args, kwargs):
@@ -160,6 +165,8 @@ class Session:
                                        func._schema.returns) and bool(func._schema.returns)
         if reads:
             return self._read(func, args, kwargs)
+        if func is _DETACH and not args[0]._pending:  # (autograd detaches every gradient it stores)
+            return self._alias(args[0])
         with shadow():
             out = shadow_cache.run(func, args, kwargs)
             handles = self._adopt_outputs(out, args, kwargs)
@@ -167,6 +174,14 @@ class Session:
             layout = parse_layout(args[1])
             args = (args[0], protocol.LayoutString(self._mesh_of(layout).mesh_id, tuple(layout.sharding_specs)))
         self.send((protocol.OP, protocol.op_name(func), self.encode(args), self.encode(kwargs), handles))
+        return out
+
+    def _alias(self, t: RemoteDTensor) -> RemoteDTensor:
+        """`t.detach()`: a controller object for the same worker-side DTensor (its handle), nothing sent; the
+        handle is freed when the last of them is dropped."""
+        with shadow():
+            out = DTensor.__new__(RemoteDTensor, t._stack.detach(), t._layout, t.shape)
+        self.bind(out, t._handle)
         return out
 
     def _adopt_outputs(self, out, args, kwargs) -> list:
