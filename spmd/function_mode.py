@@ -45,7 +45,9 @@ def function(fn: Callable | None = None, *, backend: str | Callable = "inductor"
     `spmd.function(fn, backend=...)`.
 
     Args:
-      backend, mode, dynamic: as for `torch.compile` (`mode="reduce-overhead"` uses CUDA graphs).
+      backend, mode: as for `torch.compile` (`mode="reduce-overhead"` uses CUDA graphs).
+      dynamic: False only: spmd's rules decide on static shapes, so each new shape is a trace of its own (up to
+        `MAX_TRACES` per function); True raises `NotImplementedError`.
       fullgraph: True (default) raises `TraceError` where `fn` cannot be traced as one graph; False runs the
         untraceable part eagerly, with a warning (a training step's `backward()` and `optimizer.step()` are
         torch's own graph breaks and are not warned about).
@@ -78,6 +80,11 @@ class Function:
 
     def __init__(self, fn, *, backend, mode, dynamic, fullgraph, out_layouts, max_autobroadcast_elements,
                  forbid=None):
+        if dynamic:
+            raise NotImplementedError(
+                f"spmd.function({getattr(fn, '__qualname__', fn)!r}, dynamic=True): spmd's sharding rules decide "
+                "layouts and collectives on static shapes, so dynamic shapes are not traced; leave dynamic=False "
+                f"(each new shape is then a trace of its own, up to {MAX_TRACES} per function)")
         functools.update_wrapper(self, fn)
         self._fn = fn
         self._out_layouts = out_layouts

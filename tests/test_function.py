@@ -50,6 +50,11 @@ def test_compiled_equals_eager_for_every_layout(mesh22, name):
                 torch.testing.assert_close(gather(x.grad), gather(e.grad))
 
 
+def test_dynamic_shapes_are_refused_by_name():
+    with pytest.raises(NotImplementedError, match="static shapes"):
+        spmd.function(lambda a: a + 1, dynamic=True)
+
+
 def test_retraces_once_per_layout(mesh22):
     f = spmd.function(lambda x: (x * 2).sum(0), backend="aot_eager")
     value = torch.randn(4, 4)
