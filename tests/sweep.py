@@ -111,6 +111,21 @@ def _weights(outs) -> list:
             o.is_floating_point() else None for o in outs]
 
 
+def torch_differentiates(fn, inputs) -> bool:
+    """Whether this torch has a derivative for what `fn` calls (torch 2.11 has none for `aminmax`,
+    `narrow_copy`): where it has not, a sweep compares values only."""
+    try:
+        outs = [o for o in _flat(fn(*[x.clone().requires_grad_(x.is_floating_point()) for x in inputs]))
+                if isinstance(o, torch.Tensor) and o.requires_grad]
+        if outs:
+            sum(o.sum() for o in outs).backward()
+    except RuntimeError as e:
+        if "derivative for" in str(e) and "is not implemented" in str(e):
+            return False
+        raise
+    return True
+
+
 def _run_plain(fn, inputs, grad: bool):
     leaves = []
     args = []

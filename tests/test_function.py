@@ -203,6 +203,9 @@ def test_training_step_matches_plain_torch(backend):
         return loss
 
     compiled = spmd.function(step, backend=backend, fullgraph=False)
+    # inductor's kernels sum in their own order: a few float32 ulps per step (by step 3 on torch 2.11, 2.8e-5
+    # relative in the loss, 3e-5 absolute in a weight), where aot_eager runs torch's own kernels
+    rtol, atol = (1e-4, 1e-4) if backend == "inductor" else (1e-5, 1e-5)
     g = torch.Generator().manual_seed(1)
     for _ in range(3):
         x, y = torch.randint(0, 96, (4, 8), generator=g), torch.randint(0, 96, (4, 8), generator=g)
@@ -215,11 +218,11 @@ def test_training_step_matches_plain_torch(backend):
         ref_loss.backward()
         ref_opt.step()
         ref_opt.zero_grad()
-        torch.testing.assert_close(loss.item(), ref_loss.item(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(loss.item(), ref_loss.item(), rtol=rtol, atol=1e-6)
     assert compiled.experimental_get_tracing_count() == 1
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         assert isinstance(p, spmd.DVariable), name
-        torch.testing.assert_close(gather(p), q.detach(), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(gather(p), q.detach(), rtol=1e-4, atol=atol)
 
 
 def test_torch_compile_directly_on_dtensors(mesh22):

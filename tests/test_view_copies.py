@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import spmd
 from spmd import UNSHARDED as U
 from spmd import Layout
-from tests.sweep import MESH, issued, check_op, rand
+from tests.sweep import MESH, issued, check_op, rand, torch_differentiates
 
 COPIES = {
     "alias_copy": (lambda x: torch.alias_copy(x), (4, 6)),
@@ -35,7 +35,8 @@ COPIES = {
 @pytest.mark.parametrize("name", list(COPIES))
 def test_view_copies_match_torch_for_every_layout(name):
     fn, shape = COPIES[name]
-    grad = name != "narrow_copy_negative_start"  # torch's own gradient of it fails (a size mismatch)
+    # torch's own gradient of narrow_copy with a negative start fails (a size mismatch)
+    grad = name != "narrow_copy_negative_start" and torch_differentiates(fn, [rand(*shape)])
     assert check_op(fn, [rand(*shape)], grad=grad, sample=16) >= 3
 
 
