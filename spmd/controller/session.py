@@ -125,8 +125,8 @@ class Session:
         return protocol.encode(value, self.refs)
 
     def _new_handle(self, t: RemoteDTensor) -> int:
-        h = self.new_id(t)
-        t._handle, t._session = h, self
+        h = self.reserve(1)[0]
+        self.bind(t, h)
         return h
 
     def new_id(self, owner) -> int:
