@@ -45,6 +45,8 @@ KIND_LABEL = {"all_gather": "all-gather S0→R", "all_to_all": "all-to-all S0→
 RAW_CALL = {"all_gather": "`all_gather`", "all_to_all": "`all_to_all_single`",
             "reduce_scatter": "`all_reduce`: on gloo faster than `reduce_scatter_tensor`",
             "all_reduce": "`all_reduce`"}
+# raw torch.distributed moving the same data as spmd's relayout (where the plain call above moves other data)
+RAW_SAME = {"all_to_all": "column blocks stacked contiguous, then `all_to_all_single`"}
 MLP = (256, 1024, 4, 32)  # D, H, L, per-rank batch
 QUICK_MLP = (16, 32, 2, 4)
 
@@ -97,6 +99,11 @@ def _relayout_cases(n: int, rank: int, mesh, dmesh) -> dict:
     dt_p = TDT.from_local(partial_value, dmesh, [Partial()], run_check=False)
     parts = [torch.empty_like(half) for _ in range(2)]
     a2a_out = torch.empty_like(half)
+    a2a_blocks = torch.empty(2, n // 2, n // 2)
+
+    def raw_same_relayout():  # S0->S1 in raw torch.distributed: column blocks made contiguous, then exchanged
+        dist.all_to_all_single(a2a_blocks, torch.stack(half.chunk(2, 1)))
+        return a2a_blocks.view(n, n // 2)
     ar = partial_value.clone()
     held = {"sum": spmd.DTensor(pending.clone(), Layout([U, U], mesh), (n, n), pending=("x",))}
 
@@ -109,6 +116,7 @@ def _relayout_cases(n: int, rank: int, mesh, dmesh) -> dict:
                        "dt": lambda: dt_s0.redistribute(dmesh, [Replicate()])},
         "all_to_all": {"spmd": lambda: spmd.relayout(s0, Layout([U, "x"], mesh)),
                        "raw": lambda: dist.all_to_all_single(a2a_out, half),
+                       "raw_same": raw_same_relayout,
                        "dt": lambda: dt_s0.redistribute(dmesh, [Shard(1)])},
         "reduce_scatter": {"spmd": lambda: run(pending, mesh, to_s0),
                            "raw": lambda: dist.all_reduce(ar),  # gloo's reduce_scatter_tensor is slower: spmd's way
@@ -127,6 +135,7 @@ def _relayout_cases(n: int, rank: int, mesh, dmesh) -> dict:
         "all_reduce": (run(pending, mesh, to_r)[0], cases["all_reduce"]["dt"]().to_local(), value + (value + 1)),
     }
     ok = {k: bool(torch.allclose(a, c, atol=1e-6) and torch.allclose(b, c, atol=1e-6)) for k, (a, b, c) in checks.items()}
+    ok["all_to_all"] &= bool(torch.equal(raw_same_relayout(), value.chunk(2, 1)[rank]))
     return cases, ok
 
 
@@ -282,6 +291,10 @@ def readme_table(data: dict) -> str:
         for k in KINDS:
             s, raw, dt = (res.get(f"{k}/{v}", {}).get("median") for v in ("spmd", "raw", "dt"))
             rows.append([KIND_LABEL[k], f"{us(raw)} ({RAW_CALL[k]})", us(s), us(dt), ratio(s, raw), ratio(s, dt)])
+            same = res.get(f"{k}/raw_same", {}).get("median")
+            if same is not None:
+                rows.append([f"{KIND_LABEL[k]}, raw doing the same relayout", f"{us(same)} ({RAW_SAME[k]})", us(s),
+                             us(dt), ratio(s, same), ratio(s, dt)])
     if "mlp" in data:
         m = data["mlp"]
         s, nb, ddp, dt = ([m["results"].get(f"{v}/{o}", {}).get("median") for o in ("sgd", "adamw")]
@@ -309,7 +322,8 @@ def report(data: dict) -> str:
     if "relayout" in data:
         lines += ["## Relayout on a 1-D mesh of 2 clients × 1 device (fp32 N×N global)", "",
                   "µs per call; GB/s = global tensor bytes / time. raw = the torch.distributed collective on the "
-                  "same bytes (`all_gather` of the local half; `all_to_all_single` of the local half; `all_reduce` "
+                  "same bytes (`all_gather` of the local half; `all_to_all_single` of the local half, split into row "
+                  "blocks, and, as the same S0→S1 relayout, of its column blocks stacked contiguous; `all_reduce` "
                   "of the full summand for both pending-sum cases, since gloo has no reduce-scatter and spmd "
                   "all-reduces then slices). torch DT = `DTensor.redistribute` at world size 2. spmd S0→R and S0→S1 "
                   "are `spmd.relayout`; the pending-sum cases run spmd's relayout engine "
@@ -324,6 +338,11 @@ def report(data: dict) -> str:
                 rows.append([f"{n}×{n}", KIND_LABEL[k], fmt(raw), fmt(s), fmt(dt), _gbps(nbytes, raw),
                              _gbps(nbytes, s), _gbps(nbytes, dt), ratio(s, raw), ratio(s, dt),
                              "yes" if r["ok"][k] else "**NO**"])
+                same = res.get(f"{k}/raw_same", {}).get("median")
+                if same is not None:
+                    rows.append([f"{n}×{n}", f"{KIND_LABEL[k]}, raw doing the same relayout", fmt(same), fmt(s),
+                                 fmt(dt), _gbps(nbytes, same), _gbps(nbytes, s), _gbps(nbytes, dt), ratio(s, same),
+                                 ratio(s, dt), "yes" if r["ok"][k] else "**NO**"])
         lines += [md_table(["N", "relayout", "raw µs", "spmd µs", "torch DT µs", "raw GB/s", "spmd GB/s",
                             "DT GB/s", "spmd/raw", "spmd/DT", "values agree"], rows), ""]
         lines += ["Where spmd's time goes (one timed pass, µs per call): the torch.distributed call(s) inside "

@@ -61,11 +61,12 @@ class DTensor(torch.Tensor):
 
     @staticmethod
     def __new__(cls, local: torch.Tensor, layout: Layout, shape: Sequence[int], requires_grad: bool = False,
-                pending: tuple = (), pending_op: str = "sum"):
+                pending: tuple = (), pending_op: str = "sum", *, strides: Sequence[int] | None = None):
         # the global tensor's strides follow the components' memory order (a transposed weight looks transposed),
         # so torch's own stride logic (AccumulateGrad's layout contract, `.contiguous()`, torch.compile's guards)
-        # sees what the components are
-        strides = None if local.is_contiguous() else dense_strides(local, shape)
+        # sees what the components are; a caller that knows them (a detach, torch.compile) passes `strides`
+        if strides is None and not local.is_contiguous():
+            strides = dense_strides(local, shape)
         out = torch.Tensor._make_wrapper_subclass(cls, shape, strides=strides, dtype=local.dtype,
                                                   device=local.device, requires_grad=requires_grad)
         out._stack = local
@@ -121,7 +122,7 @@ class DTensor(torch.Tensor):
 
     @classmethod
     def __tensor_unflatten__(cls, inner, meta, outer_size, outer_stride):
-        return DTensor.__new__(cls, inner["_stack"], meta[0], tuple(outer_size))
+        return DTensor.__new__(cls, inner["_stack"], meta[0], tuple(outer_size), strides=tuple(outer_stride))
 
     def __coerce_same_metadata_as_tangent__(self, expected_meta, expected_type=None):
         """A gradient arriving at a compiled backward with another layout than the one traced is relayouted
@@ -218,10 +219,23 @@ DTensor.__rtruediv__ = lambda self, other: torch.reciprocal(self) * other  # as 
 DTensor.__hash__ = torch.Tensor.__hash__  # defining __eq__ would otherwise make DTensors unhashable
 
 
+_DENSE_STRIDES: dict = {}  # (stack strides, global shape) -> dense_strides
+
+
 def dense_strides(local: torch.Tensor, shape: Sequence[int]) -> tuple[int, ...]:
     """Contiguous strides for `shape` in the memory order of the component axes of the stack `local` (the stack
     axis left out): the global tensor's strides."""
-    order = sorted(range(len(shape)), key=lambda a: (local.stride(a + 1), a), reverse=True)  # outermost first
+    key = (local.stride(), tuple(shape))
+    strides = _DENSE_STRIDES.get(key)
+    if strides is None:
+        if len(_DENSE_STRIDES) >= 4096:  # (bounded: shapes that keep changing)
+            _DENSE_STRIDES.clear()
+        strides = _DENSE_STRIDES[key] = _dense_strides(local.stride()[1:], shape)
+    return strides
+
+
+def _dense_strides(component_strides, shape) -> tuple[int, ...]:
+    order = sorted(range(len(shape)), key=lambda a: (component_strides[a], a), reverse=True)  # outermost first
     strides, step = [0] * len(shape), 1
     for a in reversed(order):
         strides[a] = step

@@ -335,6 +335,12 @@ class Layout:
     def __reduce__(self):
         return Layout.from_string, (self._string,)
 
+    def __copy__(self):  # an immutable value: compared by identity first (torch.compile's guards deep-copy it)
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
 
 def _shards(axis, mesh: Mesh) -> int:
     if axis == MATCH:

@@ -320,6 +320,12 @@ class Mesh:
     def __reduce__(self):
         return Mesh.from_string, (self._string,)
 
+    def __copy__(self):  # an immutable value (a copy would also lose a controller mesh's session)
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
     # -- what the executor needs ---------------------------------------------------------------------------------
     @property
     def torch_device(self) -> torch.device:

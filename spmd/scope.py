@@ -1,5 +1,6 @@
 """Scopes that change how ops treat plain tensors: `default_mesh` (the mesh that factories use) and
-`implicit_replication` (plain tensors mixed with DTensors taken as replicated)."""
+`implicit_replication` (plain tensors mixed with DTensors taken as replicated), which the composite ops that make
+plain tensors inside their own implementation enter by themselves."""
 
 from __future__ import annotations
 
@@ -7,10 +8,13 @@ import contextlib
 
 import torch
 import torch.fx.traceback as fx_traceback
+import torch.utils._pytree as pytree
 
+from spmd.collectives.local import traced
 from spmd.creation import FactoryMode, get_default_mesh
+from spmd.dtensor import DTensor
 from spmd.engine import dispatch
-from spmd.errors import LayoutError
+from spmd.errors import LayoutError, UnsupportedOpError
 from spmd.mesh import Mesh
 
 __all__ = ["default_mesh", "get_default_mesh", "implicit_replication"]
@@ -51,16 +55,16 @@ class default_mesh(contextlib.ContextDecorator):
 @contextlib.contextmanager
 def implicit_replication():
     """Inside the block, a plain tensor that meets DTensors in an op is taken as replicated on their mesh instead
-    of raising `MixedTensorError` — for tensors that torch makes inside an op's own implementation (`F.one_hot`'s
-    `arange`, the causal mask of the math attention kernel). It holds a global value, so results stay exact; the
-    price is one copy of it per device. An op writing into a plain tensor still raises. (Derivative formulas that
-    make plain tensors are always taken this way.)
+    of raising `MixedTensorError` — for code that makes plain tensors holding global values (a mask from
+    `torch.arange`). The price is one copy of it per device. An op writing into a plain tensor still raises.
+    (Derivative formulas and the composite ops that make plain tensors inside, such as `F.one_hot` and the math
+    attention kernel, take them this way by themselves.)
 
     >>> mesh = create_mesh([("x", 2)])
     >>> labels = copy_to_mesh(torch.tensor([0, 2, 1, 2]), Layout(["x"], mesh))
     >>> with implicit_replication():
-    ...     one_hot = torch.nn.functional.one_hot(labels, 3)
-    >>> fetch_layout(one_hot).sharding_specs, to_global(one_hot).sum(0).tolist()
+    ...     hits = labels.unsqueeze(1) == torch.arange(3)
+    >>> fetch_layout(hits).sharding_specs, to_global(hits).sum(0).tolist()
     (['x', 'unsharded'], [1, 1, 2])
 
     Inside `spmd.function` (or `torch.compile`) the scope covers the ops traced inside the block.
@@ -93,3 +97,54 @@ def replicates_plain() -> bool:
     """Whether a plain tensor meeting DTensors is taken as replicated here (inside `implicit_replication`, the
     forward of a distributed module, or a derivative formula)."""
     return dispatch._replicates_plain()
+
+
+# -- composite ops that make plain tensors inside: implicit replication by themselves ------------------------------
+# torch decomposes these CompositeImplicitAutograd ops in C++, at the autograd key, into ops that mix a plain
+# tensor it made (one_hot's zeros, the math attention kernel's causal mask, quantile's ranks) with the DTensor
+# inputs; `__torch_dispatch__` then sees the plain tensor but not who made it. A kernel at the PythonTLSSnapshot
+# key, which only tensor subclasses and Python modes reach (no other op pays anything), runs them under implicit
+# replication, after checking that no plain tensor came from the caller.
+_MAKE_PLAIN_TENSORS = (torch.ops.aten.one_hot.default, torch.ops.aten.scaled_dot_product_attention.default,
+                       torch.ops.aten.quantile.scalar, torch.ops.aten.quantile.default)
+_SNAPSHOT_KEY = torch._C.DispatchKey.PythonTLSSnapshot
+_LIBRARY = torch.library.Library("aten", "IMPL")  # kept alive: dropping it would unregister the kernels
+
+
+def _replicating_inside(overload):
+    def kernel(keyset, *args, **kwargs):
+        tensors = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        dtensors = [t for t in tensors if isinstance(t, DTensor)]
+        if dtensors:
+            for t in tensors:
+                if not isinstance(t, DTensor) and t.dim() > 0:  # the caller's: its layout is the caller's choice
+                    raise dispatch.mixed_tensor_error(t)
+            if dtensors[0]._layout.mesh.remote is not None:
+                raise UnsupportedOpError(
+                    f"{overload} makes plain tensors inside its torch implementation on its input's device, which "
+                    "for a DTensor of a single-controller mesh is 'meta' (the components live on the workers): "
+                    "they would hold no values. Not supported on controller meshes yet; relayout the input to a "
+                    "mesh of this process first (spmd.relayout)")
+            if overload is torch.ops.aten.one_hot.default:
+                _check_labels(*args, **kwargs)
+            with EAGER_IMPLICIT_REPLICATION:  # (also while traced: this runs when the op is, not when Dynamo
+                return overload.redispatch(keyset.remove(_SNAPSHOT_KEY), *args, **kwargs)  # records a call)
+        return overload.redispatch(keyset.remove(_SNAPSHOT_KEY), *args, **kwargs)
+    return kernel
+
+
+def _check_labels(labels: DTensor, num_classes: int = -1) -> None:
+    """torch checks one_hot's labels only for plain tensors (a traced one asserts in the graph): the same checks
+    on each device's components."""
+    stack = labels._local
+    if traced(stack):
+        return
+    if bool((stack < 0).any()):
+        raise RuntimeError("Class values must be non-negative.")
+    if num_classes != -1 and bool((stack >= num_classes).any()):
+        raise RuntimeError("Class values must be smaller than num_classes.")
+
+
+for _overload in _MAKE_PLAIN_TENSORS:
+    _LIBRARY.impl(_overload.name().split("::")[-1], _replicating_inside(_overload), _SNAPSHOT_KEY.name,
+                  with_keyset=True)

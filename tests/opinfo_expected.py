@@ -40,8 +40,7 @@ UNSUPPORTED = {
     "ormqr": _BACKWARD, "linalg.householder_product": _BACKWARD,
     # torch makes a plain tensor inside the op (an arange, a 1-element tensor) and mixes it with DTensors: they
     # work under spmd.implicit_replication() (derivative formulas need no scope)
-    "combinations": _FORWARD, "quantile": _FORWARD, "__getitem__": _FORWARD,
-    "nn.functional.scaled_dot_product_attention": _FORWARD, "linalg.matrix_rank": _FORWARD,
+    "combinations": _FORWARD, "__getitem__": _FORWARD, "linalg.matrix_rank": _FORWARD,
     "linalg.matrix_rank.hermitian": _FORWARD, "masked.var": _FORWARD, "masked.std": _FORWARD,
     # backward formulas that write into a plain tensor they made (a zeros for an unused output's gradient)
     "as_strided": _BACKWARD, "as_strided_copy": _BACKWARD, "index_put": _BACKWARD,

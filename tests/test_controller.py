@@ -184,6 +184,15 @@ def test_torch_compile_alone_is_refused_by_name(mesh):
     assert (x * x).sum().item() == 140.0  # the workers are unaffected
 
 
+def test_composite_ops_that_make_plain_tensors_are_refused_by_name(mesh):
+    """F.one_hot makes its arange on the input's device, 'meta' on the controller: a clear error, not a meta tensor
+    sent to the workers."""
+    labels = spmd.copy_to_mesh(torch.tensor([0, 2, 1, 3]), Layout(["batch"], mesh))
+    with pytest.raises(spmd.UnsupportedOpError, match="controller mesh"):
+        torch.nn.functional.one_hot(labels, 4)
+    assert (labels * 2).sum().item() == 12  # the workers are unaffected
+
+
 def test_function_mode_needs_a_backend_the_workers_can_name(mesh):
     x = spmd.copy_to_mesh(torch.arange(8.), Layout(["batch"], mesh))
     with pytest.raises(Exception, match="name its backend"):

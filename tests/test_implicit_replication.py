@@ -1,5 +1,6 @@
-"""Plain tensors that torch makes inside an op: derivative formulas (always taken as replicated) and composite ops
-such as `F.one_hot` (under `spmd.implicit_replication()`); a user's plain tensor still raises MixedTensorError."""
+"""Plain tensors that torch makes inside an op: derivative formulas and the composite ops that make them
+(`F.one_hot`, the math attention kernel, `quantile`) take them as replicated by themselves; elsewhere
+`spmd.implicit_replication()` does; a user's plain tensor still raises MixedTensorError."""
 
 import pytest
 import torch
@@ -8,7 +9,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import spmd
 from spmd import UNSHARDED, Layout
-from sweep import check_op, components, rand
+from sweep import Const, check_op, components, rand
 from test_engine import issued
 
 U = UNSHARDED
@@ -24,21 +25,30 @@ def test_derivative_formulas_that_make_plain_tensors(fn):
     assert check_op(fn, [rand(4, 6)]) > 1
 
 
-def test_one_hot_needs_the_scope_and_issues_no_collective(mesh22):
+def test_one_hot_needs_no_scope_and_issues_no_collective(mesh22):
     labels = spmd.copy_to_mesh(torch.tensor([0, 3, 1, 2]), Layout(["x"], mesh22))
-    with pytest.raises(spmd.MixedTensorError, match=r"shape \[5\].*spmd\.implicit_replication\(\)"):
-        F.one_hot(labels, 5)
-    with spmd.implicit_replication():
-        out, collectives = issued(F.one_hot, labels, 5)
+    out, collectives = issued(F.one_hot, labels, 5)
     assert collectives == []
     assert spmd.fetch_layout(out) == Layout(["x", U], mesh22)
     torch.testing.assert_close(spmd.to_global(out), F.one_hot(torch.tensor([0, 3, 1, 2]), 5))
     assert components(out) == [[[1, 0, 0, 0, 0], [0, 0, 0, 1, 0]]] * 2 + \
         [[[0, 1, 0, 0, 0], [0, 0, 1, 0, 0]]] * 2
+    for bad, num_classes, message in ((labels - 1, 5, "non-negative"), (labels, 3, "smaller than num_classes")):
+        with pytest.raises(RuntimeError, match=message):  # torch's checks of the values, on every device
+            F.one_hot(bad, num_classes)
+    assert not spmd.scope.replicates_plain()  # the op's scope ended with it
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_one_hot_in_a_traced_function(mesh22, backend):
+    """Traced, torch checks one_hot's labels with an `_assert_async` on a DTensor (a rule of its own)."""
+    labels = spmd.copy_to_mesh(torch.tensor([0, 3, 1, 2]), Layout(["x"], mesh22))
+    counts = spmd.function(lambda y: F.one_hot(y, 5).sum(0), backend=backend)(labels)
+    assert spmd.to_global(counts).tolist() == [1, 1, 1, 1, 0]
 
 
 def _causal_math_attention(q, k, v):
-    with sdpa_kernel(SDPBackend.MATH), spmd.implicit_replication():
+    with sdpa_kernel(SDPBackend.MATH):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
@@ -46,6 +56,25 @@ def test_math_attention_with_its_causal_mask():
     """The math kernel builds its causal mask as a plain [T, T] tensor."""
     assert check_op(_causal_math_attention, [rand(2, 2, 4, 2), rand(2, 2, 4, 2, seed=1), rand(2, 2, 4, 2, seed=2)],
                     sample=12) > 1
+
+
+def test_quantile_makes_its_own_plain_tensors():
+    assert check_op(lambda x: torch.quantile(x, 0.25, dim=1), [rand(4, 6)]) > 1
+    assert check_op(lambda x, q: torch.quantile(x, q, dim=0), [rand(4, 6), Const(torch.tensor([0.2, 0.9], dtype=rand(1).dtype))]) > 1
+
+
+def test_a_plain_tensor_passed_to_such_an_op_still_raises(mesh22):
+    """Only what torch makes inside is taken as replicated: a mask (or quantiles) from the caller is the caller's
+    to lay out."""
+    q = spmd.copy_to_mesh(rand(2, 2, 4, 2), Layout(["x", "y", U, U], mesh22))
+    with pytest.raises(spmd.MixedTensorError, match=r"shape \[4, 4\]"):
+        F.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(4, 4, dtype=torch.bool))
+    with pytest.raises(spmd.MixedTensorError, match=r"shape \[2\]"):
+        torch.quantile(q, torch.tensor([0.2, 0.9]))
+    assert not spmd.scope.replicates_plain()
+    mask = spmd.copy_to_mesh(torch.ones(4, 4, dtype=torch.bool), Layout([U, U], mesh22))
+    torch.testing.assert_close(spmd.to_global(F.scaled_dot_product_attention(q, q, q, attn_mask=mask)),
+                               F.scaled_dot_product_attention(*[spmd.to_global(q)] * 3))
 
 
 def test_a_users_plain_tensor_still_raises_and_the_scope_ends(mesh22):

@@ -82,11 +82,15 @@ def _sig(a, tensors, blind=False):
     if isinstance(a, torch.Tensor):
         if a.dim() == 0:  # autobroadcast: a 0-d tensor acts as a replicated scalar
             return "scalar", a.dtype
-        raise MixedTensorError(
-            f"a plain torch.Tensor of shape {list(a.shape)} was mixed with DTensors; only Python scalars and 0-d "
-            "tensors are broadcast automatically. Distribute it first: spmd.copy_to_mesh(tensor, layout); where "
-            "torch made it inside an op (F.one_hot's arange), run the op under spmd.implicit_replication()")
+        raise mixed_tensor_error(a)
     return a
+
+
+def mixed_tensor_error(plain: torch.Tensor) -> MixedTensorError:
+    return MixedTensorError(
+        f"a plain torch.Tensor of shape {list(plain.shape)} was mixed with DTensors; only Python scalars and 0-d "
+        "tensors are broadcast automatically. Distribute it first: spmd.copy_to_mesh(tensor, layout); where torch "
+        "made it inside an op's own implementation, run the op under spmd.implicit_replication()")
 
 
 def dispatch(func, args=(), kwargs=None):
@@ -99,10 +103,10 @@ def torch_dispatch(cls, func, types, args=(), kwargs=None):
     if func is _DETACH and not explain.RECORDERS:  # autograd detaches every gradient
         t = args[0]
         if not t._pending:
-            return DTensor(t._stack.detach(), t._layout, t.shape)
+            return DTensor(t._stack.detach(), t._layout, t.shape, strides=t.stride())
         if torch._C._current_graph_task_id() != -1:  # a gradient on its way into `.grad`: still pending there,
             return DTensor(t._stack.detach(), t._layout, t.shape,  # for spmd/buckets.py to reduce
-                           pending=t._pending, pending_op=t._pending_op)
+                           pending=t._pending, pending_op=t._pending_op, strides=t.stride())
         # (else the general path: resolved once, into the tensor both share)
     tensors: list[DTensor] = []
     key = [id(func)]  # OpOverloads live as long as torch: their id is stable and cheaper than their hash

@@ -51,6 +51,13 @@ def check_errors_rule(call: OpCall) -> Decision:
     return Decision((call.specs[0].axes,), (None,), kernel)
 
 
+@register(aten._assert_async.default, aten._assert_async.msg)
+def assert_rule(call: OpCall) -> Decision:
+    """A check of a tensor's value that returns nothing (F.one_hot's, while traced): on every device's value."""
+    spec = call.specs[0]
+    return Decision(((None,) * spec.rank,), (None,), lambda l, args, k: call.func(l[0].all(), *args[1:], **k))
+
+
 @register(torch.ops.spmd.relayout.default)
 def relayout_rule(call: OpCall) -> Decision:
     """`spmd::relayout`: the input is relayouted to the target layout by the dispatcher's planner; the kernel
