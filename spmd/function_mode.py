@@ -27,6 +27,7 @@ from spmd.errors import TraceError
 from spmd.explain import Explanation, Recorder
 from spmd.forbidden import check_forbidden, forbidden_kinds
 from spmd.layout import Layout
+from spmd.scope import EAGER_IMPLICIT_REPLICATION
 
 # torch's own graph breaks in a training step: autograd's backward and the optimizer's step run between graphs
 MAX_TRACES = 64  # traces of one function (torch's recompile limit) before it runs eagerly
@@ -211,9 +212,13 @@ def active() -> bool:
 
 @contextlib.contextmanager
 def _running():
+    """An `spmd.function` running. The seeds' rule: a tensor the function makes without a layout (`torch.ones`,
+    `torch.arange`) takes the layout propagation gives it where it meets DTensors — replicated, which the rules
+    then shard as the ops need. (Traces run here, so the scope covers every traced op.)"""
     _ACTIVE[0] += 1
     try:
-        yield
+        with EAGER_IMPLICIT_REPLICATION:
+            yield
     finally:
         _ACTIVE[0] -= 1
 

@@ -147,6 +147,25 @@ def test_out_layouts_and_autobroadcast(mesh22):
         small(a, torch.ones(2))
 
 
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_tensors_made_inside_take_the_layout_propagation_gives(mesh22, backend):
+    """The seeds' rule: `torch.arange`/`torch.ones` inside the function, without a layout, meet DTensors as
+    replicated values (eagerly the same line raises MixedTensorError); no collective is added for them."""
+    def masked_rows(a):
+        keep = torch.arange(4).unsqueeze(1) % 2 == 0  # made inside, plain
+        return torch.where(keep, a, torch.zeros(4, 2)) + torch.ones(2)
+    a = spmd.copy_to_mesh(torch.arange(8.).reshape(4, 2), Layout(["x", U], mesh22))
+    with pytest.raises(spmd.MixedTensorError):
+        masked_rows(a)
+    f = spmd.function(masked_rows, backend=backend)
+    out = f(a)
+    assert spmd.fetch_layout(out) == Layout(["x", U], mesh22)
+    torch.testing.assert_close(gather(out), masked_rows(torch.arange(8.).reshape(4, 2)))
+    assert f.explain(a).collectives == []
+    with pytest.raises(spmd.MixedTensorError):  # and the scope ends with the call
+        masked_rows(a)
+
+
 def test_untraceable_function_names_the_line(mesh22):
     a = spmd.copy_to_mesh(torch.ones(4), Layout(["x"], mesh22))
 
