@@ -29,6 +29,12 @@ COPIES = {
     "narrow_copy_negative_start": (lambda x: torch.narrow_copy(x, 0, -2, 2), (4, 6)),
     "diagonal_copy": (lambda x: torch.diagonal_copy(x, 1, 1, 2), (2, 4, 6)),
     "unfold_copy": (lambda x: torch.unfold_copy(x, 1, 2, 2), (4, 6)),
+    "split_copy": (lambda x: torch.split_copy(x, 4, 1), (4, 6)),
+    "split_with_sizes_copy": (lambda x: torch.split_with_sizes_copy(x, [1, 3], 0), (4, 6)),
+    "unbind_copy": (lambda x: torch.unbind_copy(x, 1), (4, 2, 6)),
+    "unsafe_split": (lambda x: torch.unsafe_split(x, 2, 0), (4, 6)),
+    "unsafe_split_with_sizes": (lambda x: torch.unsafe_split_with_sizes(x, [2, 4], 1), (4, 6)),
+    "unsafe_chunk": (lambda x: torch.unsafe_chunk(x, 3, 1), (4, 6)),
 }
 
 
@@ -92,6 +98,20 @@ def test_a_copy_keeps_the_layout_of_its_view_without_collectives_and_is_fresh_me
     out.add_(1)  # not a view: an in-place op is allowed, and the base keeps its values
     _assert_components(dx, x)
     _assert_components(out, fn(x) + 1)
+
+
+@pytest.mark.parametrize("name", ["split_copy", "split_with_sizes_copy", "unbind_copy"])
+def test_the_pieces_of_a_split_copy_are_fresh_memory_without_collectives(name):
+    fn, shape = COPIES[name]
+    x = rand(*shape)
+    dx = spmd.copy_to_mesh(x, _layout(*(["x", U, "y"] if len(shape) == 3 else [U, "x"] if name != "split_copy"
+                                        else ["x", U])))
+    pieces, collectives = issued(lambda: fn(dx))
+    assert collectives == [] and len(pieces) == len(fn(x))
+    for piece, want in zip(pieces, fn(x)):
+        _assert_components(piece, want)
+        piece.add_(1)
+    _assert_components(dx, x)
 
 
 def test_a_copy_of_a_view_that_gathers_relayouts_as_the_view_does():

@@ -231,15 +231,17 @@ def stack_rule(call: OpCall) -> Decision:
     return Decision((axes,) * len(specs), out, kernel)
 
 
-@register(aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int)
+@register(aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int, aten.unsafe_split.Tensor,
+          aten.unsafe_split_with_sizes.default)
 def split_rule(call: OpCall) -> Decision:
+    """(`unsafe_split` shares memory as `split` does: torch only leaves its outputs untracked as views.)"""
     spec = call.specs[0]
     dim = norm_dim(arg(call, "dim", 0), spec.rank)
     axes = tuple(None if i == dim else m for i, m in enumerate(spec.axes))
     size = spec.shape[dim]
     if call.func is aten.unbind.int:
         n, out = size, axes[:dim] + axes[dim + 1:]
-    elif call.func is aten.split.Tensor:
+    elif call.func in (aten.split.Tensor, aten.unsafe_split.Tensor):
         split = arg(call, "split_size")
         n, out = max(1, -(-size // split)) if split else 1, axes
     else:

@@ -33,12 +33,21 @@ _VIEW_OF = {
     aten.view_copy.default: aten.view.default,
     aten.diagonal_copy.default: aten.diagonal.default,
     aten.unfold_copy.default: aten.unfold.default,
+    aten.split_copy.Tensor: aten.split.Tensor,
+    aten.split_with_sizes_copy.default: aten.split_with_sizes.default,
+    aten.unbind_copy.int: aten.unbind.int,
 }
 
 
 def _copied(decision: Decision) -> Decision:
     view = decision.kernel
-    return replace(decision, kernel=lambda l, a, k: view(l, a, k).clone(memory_format=torch.contiguous_format))
+    if decision.single:
+        return replace(decision, kernel=lambda l, a, k: _copy(view(l, a, k)))
+    return replace(decision, kernel=lambda l, a, k: tuple(_copy(t) for t in view(l, a, k)))
+
+
+def _copy(t: torch.Tensor) -> torch.Tensor:
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 @register(*_VIEW_OF)
