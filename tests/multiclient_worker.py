@@ -246,6 +246,26 @@ def grad_scaler():
     _result(out)
 
 
+def comparisons():
+    """torch.equal / torch.allclose of tensors sharded between the clients, differing in client 1's block only:
+    every client answers for the whole tensors."""
+    import torch
+    import spmd
+    from spmd import UNSHARDED as U, Layout
+    spmd.initialize_accelerator_system("CPU", num_logical_cpu_devices=1)
+    mesh = spmd.create_distributed_mesh([("x", 2)])
+    a = torch.arange(8.).reshape(4, 2)
+    far, near = a.clone(), a.clone()
+    far[3, 1], near[3, 1] = 100.0, 7.0 + 1e-5
+    out = {"client": spmd.client_id()}
+    rows, cols = Layout(["x", U], mesh), Layout([U, "x"], mesh)
+    for name, other, layout in (("far", far, rows), ("near", near, rows), ("far cols", far, cols),
+                                ("same", a, rows)):
+        da, db = spmd.copy_to_mesh(a, rows), spmd.copy_to_mesh(other, layout)
+        out[name] = [torch.equal(da, db), torch.allclose(da, db)]
+    _result(out)
+
+
 def compiled_training():
     """The MLP's step compiled (argv: local devices per client, mesh dims as `batch,model`); reports the losses, and
     the torch.distributed collectives in the compiled forward and backward graphs (recorded with aot_eager)."""

@@ -33,8 +33,6 @@ UNSUPPORTED = {
     "nn.functional.ctc_loss": _BOTH,
     "nn.functional.multi_margin_loss": _BACKWARD, "nn.functional.multilabel_margin_loss": _BACKWARD,
     "index_fill": _BACKWARD,  # its backward calls aten._unique
-    # no rule for ops whose outputs are not one plain tensor (None, bool, a list)
-    "allclose": _FORWARD,
     # backward formulas that run an in-place op (tril_) with no rule
     "ormqr": _BACKWARD, "linalg.householder_product": _BACKWARD,
     # torch makes a plain tensor inside the op (an arange, a 1-element tensor) and mixes it with DTensors: they

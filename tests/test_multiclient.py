@@ -164,6 +164,14 @@ def test_grad_scaler_skips_the_step_on_every_client_or_none():
     assert results[0] == results[1] | {"client": 0}
 
 
+def test_comparisons_answer_for_the_whole_tensors_on_every_client():
+    results = launch("comparisons")
+    for r in results:
+        assert r["far"] == [False, False] and r["far cols"] == [False, False], r
+        assert r["near"] == [False, True] and r["same"] == [True, True], r
+    assert results[0] == results[1] | {"client": 0}
+
+
 def test_dead_client_fails_fast():
     """A client that exits before a collective: the other gets a CollectiveError naming it and the collective."""
     timeout = 4

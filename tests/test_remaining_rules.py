@@ -288,3 +288,21 @@ def test_tensor_split_by_a_bad_tensor_of_indices_is_torchs_error(indices):
     with pytest.raises(RuntimeError) as got:
         torch.tensor_split(_sharded(x, "x", U), _sharded(indices, *[U] * indices.dim()), 1)
     assert str(got.value) == str(want.value)
+
+
+@pytest.mark.parametrize("compare", [torch.equal, torch.allclose], ids=["equal", "allclose"])
+def test_comparisons_of_every_layout_pair_and_their_one_all_reduce(compare):
+    """Each device compares its blocks; the verdicts meet in one all-reduce over the mesh dims the blocks spread
+    over (what makes every client of a multi-client mesh answer for the whole tensors)."""
+    a = rand(4, 4)
+    for other in (a.clone(), a + 1e-9, a.index_put((torch.tensor(3), torch.tensor(3)), torch.tensor(9.0, dtype=a.dtype))):
+        for la in all_layouts(MESH, a.shape):
+            for lb in all_layouts(MESH, a.shape)[::3]:
+                da, db = spmd.copy_to_mesh(a, la), spmd.copy_to_mesh(other, lb)
+                got, collectives = issued(lambda: compare(da, db))
+                assert got == compare(a, other), (la, lb)
+                spread = tuple(d for d in MESH.dim_names if d in la.sharded_mesh_dims)
+                reduced = [c for c in collectives if c[0] == "all_reduce"]  # (the rest relayouts b to a's layout)
+                assert reduced == ([("all_reduce", spread)] if spread else []), (la, lb, collectives)
+    assert compare(spmd.copy_to_mesh(a, Layout(["x", U], MESH)), spmd.copy_to_mesh(a[0], Layout([U], MESH))) == \
+        compare(a, a[0])

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import torch
 
+from spmd.collectives import Collective, Kind
 from spmd.engine import planner
 from spmd.ops import parse_layout
 from spmd.engine.registry import register
 from spmd.engine.decision import Decision, OpCall, unsupported
+from spmd.layout import axis_dims
 
 aten = torch.ops.aten
 
@@ -20,12 +22,28 @@ def item_rule(call: OpCall) -> Decision:
     return Decision(((None,) * spec.rank,), (None,), lambda l, a, k: l[0][0].item())
 
 
-@register(aten.equal.default)
-def equal_rule(call: OpCall) -> Decision:
+@register(aten.equal.default, aten.allclose.default)
+def comparison_rule(call: OpCall) -> Decision:
+    """`torch.equal` / `torch.allclose` of two tensors of one shape: each device compares its blocks (the second
+    operand relayouted to the first's layout), and where the blocks differ over mesh dims one all-reduce (min) of
+    the devices' verdicts gives every device, and every client, the verdict on the whole tensors. (Shapes that
+    differ: equal is False at once; allclose broadcasts, on the replicated values.)"""
     a, b = call.specs
-    same = a.shape == b.shape
-    return Decision((a.axes, a.axes if same else b.axes), (None,),
-                    lambda l, args, k: same and torch.equal(l[0], l[1]))
+    compare = torch.equal if call.func is aten.equal.default else torch.allclose
+    if a.shape != b.shape:
+        if compare is torch.equal:
+            return Decision((a.axes, b.axes), (None,), lambda l, args, k: False)
+        whole = ((None,) * a.rank, (None,) * b.rank)
+        return Decision(whole, (None,), lambda l, args, k: compare(l[0][0], l[1][0], *args[2:], **k))
+    sharding = {d for m in a.axes if m is not None for d in axis_dims(m)}
+    spread = tuple(d for d in call.mesh.dim_names if d in sharding)
+
+    def verdicts(l, args, k):
+        return torch.tensor([compare(x, y, *args[2:], **k) for x, y in zip(l[0], l[1])], dtype=torch.int32)
+    if not spread:
+        return Decision((a.axes, a.axes), (None,), lambda l, args, k: bool(verdicts(l, args, k).all()))
+    return Decision((a.axes, a.axes), (None,), lambda l, args, k, run: bool(run(0, verdicts(l, args, k)).min()),
+                    collectives=(Collective(Kind.ALL_REDUCE, spread, op="min"),))
 
 
 @register(aten.is_same_size.default)
