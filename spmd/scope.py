@@ -14,6 +14,7 @@ from spmd.collectives.local import traced
 from spmd.creation import FactoryMode, get_default_mesh
 from spmd.dtensor import DTensor
 from spmd.engine import dispatch
+from spmd.engine.rules.host_values import below, register_above_autograd
 from spmd.errors import LayoutError, UnsupportedOpError
 from spmd.mesh import Mesh
 
@@ -102,35 +103,9 @@ def replicates_plain() -> bool:
 # -- composite ops that make plain tensors inside: implicit replication by themselves ------------------------------
 # torch decomposes these CompositeImplicitAutograd ops in C++, at the autograd key, into ops that mix a plain
 # tensor it made (one_hot's zeros, the math attention kernel's causal mask, quantile's ranks) with the DTensor
-# inputs; `__torch_dispatch__` then sees the plain tensor but not who made it. A kernel at the PythonTLSSnapshot
-# key, which only tensor subclasses and Python modes reach (no other op pays anything), runs them under implicit
-# replication, after checking that no plain tensor came from the caller.
-_MAKE_PLAIN_TENSORS = (torch.ops.aten.one_hot.default, torch.ops.aten.scaled_dot_product_attention.default,
-                       torch.ops.aten.quantile.scalar, torch.ops.aten.quantile.default)
-_SNAPSHOT_KEY = torch._C.DispatchKey.PythonTLSSnapshot
-_LIBRARY = torch.library.Library("aten", "IMPL")  # kept alive: dropping it would unregister the kernels
-
-
-def _replicating_inside(overload):
-    def kernel(keyset, *args, **kwargs):
-        tensors = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
-        dtensors = [t for t in tensors if isinstance(t, DTensor)]
-        if dtensors:
-            for t in tensors:
-                if not isinstance(t, DTensor) and t.dim() > 0:  # the caller's: its layout is the caller's choice
-                    raise dispatch.mixed_tensor_error(t)
-            if dtensors[0]._layout.mesh.remote is not None:
-                raise UnsupportedOpError(
-                    f"{overload} makes plain tensors inside its torch implementation on its input's device, which "
-                    "for a DTensor of a single-controller mesh is 'meta' (the components live on the workers): "
-                    "they would hold no values. Not supported on controller meshes yet; relayout the input to a "
-                    "mesh of this process first (spmd.relayout)")
-            if overload is torch.ops.aten.one_hot.default:
-                _check_labels(*args, **kwargs)
-            with EAGER_IMPLICIT_REPLICATION:  # (also while traced: this runs when the op is, not when Dynamo
-                return overload.redispatch(keyset.remove(_SNAPSHOT_KEY), *args, **kwargs)  # records a call)
-        return overload.redispatch(keyset.remove(_SNAPSHOT_KEY), *args, **kwargs)
-    return kernel
+# inputs; `__torch_dispatch__` then sees the plain tensor but not who made it. A kernel above autograd (see
+# engine/rules/host_values.py; no other op pays anything) runs them under implicit replication, after checking
+# that no plain tensor came from the caller, and any check torch runs only for plain inputs.
 
 
 def _check_labels(labels: DTensor, num_classes: int = -1) -> None:
@@ -145,6 +120,33 @@ def _check_labels(labels: DTensor, num_classes: int = -1) -> None:
         raise RuntimeError("Class values must be smaller than num_classes.")
 
 
-for _overload in _MAKE_PLAIN_TENSORS:
-    _LIBRARY.impl(_overload.name().split("::")[-1], _replicating_inside(_overload), _SNAPSHOT_KEY.name,
-                  with_keyset=True)
+# op -> the check of its arguments that torch skips for a tensor subclass (None: none)
+_MAKE_PLAIN_TENSORS = {torch.ops.aten.one_hot.default: _check_labels,
+                       torch.ops.aten.scaled_dot_product_attention.default: None,
+                       torch.ops.aten.quantile.scalar: None, torch.ops.aten.quantile.default: None}
+
+
+def _replicating_inside(overload, check):
+    def kernel(keyset, *args, **kwargs):
+        tensors = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        dtensors = [t for t in tensors if isinstance(t, DTensor)]
+        if not dtensors:
+            return overload.redispatch(below(keyset), *args, **kwargs)
+        for t in tensors:
+            if not isinstance(t, DTensor) and t.dim() > 0:  # the caller's: its layout is the caller's choice
+                raise dispatch.mixed_tensor_error(t)
+        if dtensors[0]._layout.mesh.remote is not None:
+            raise UnsupportedOpError(
+                f"{overload} makes plain tensors inside its torch implementation on its input's device, which for "
+                "a DTensor of a single-controller mesh is 'meta' (the components live on the workers): they "
+                "would hold no values. Not supported on controller meshes yet; relayout the input to a mesh of "
+                "this process first (spmd.relayout)")
+        if check is not None:
+            check(*args, **kwargs)
+        with EAGER_IMPLICIT_REPLICATION:  # (also while traced: this runs when the op is, not when Dynamo records
+            return overload.redispatch(below(keyset), *args, **kwargs)  # a call)
+    return kernel
+
+
+for _overload, _check in _MAKE_PLAIN_TENSORS.items():
+    register_above_autograd(_overload, _replicating_inside(_overload, _check))

@@ -100,12 +100,13 @@ def test_a_copy_keeps_the_layout_of_its_view_without_collectives_and_is_fresh_me
     _assert_components(out, fn(x) + 1)
 
 
-@pytest.mark.parametrize("name", ["split_copy", "split_with_sizes_copy", "unbind_copy"])
-def test_the_pieces_of_a_split_copy_are_fresh_memory_without_collectives(name):
+@pytest.mark.parametrize("name, specs", [("split_copy", ["x", U]), ("split_with_sizes_copy", [U, "x"]),
+                                         ("unbind_copy", ["x", U, "y"])])
+def test_the_pieces_of_a_split_copy_are_fresh_memory_without_collectives(name, specs):
+    """Sharded on the axes the split leaves whole."""
     fn, shape = COPIES[name]
     x = rand(*shape)
-    dx = spmd.copy_to_mesh(x, _layout(*(["x", U, "y"] if len(shape) == 3 else [U, "x"] if name != "split_copy"
-                                        else ["x", U])))
+    dx = spmd.copy_to_mesh(x, _layout(*specs))
     pieces, collectives = issued(lambda: fn(dx))
     assert collectives == [] and len(pieces) == len(fn(x))
     for piece, want in zip(pieces, fn(x)):

@@ -180,7 +180,7 @@ class Session:
         """`t.detach()`: a controller object for the same worker-side DTensor (its handle), nothing sent; the
         handle is freed when the last of them is dropped."""
         with shadow():
-            out = DTensor.__new__(RemoteDTensor, t._stack.detach(), t._layout, t.shape)
+            out = DTensor.__new__(RemoteDTensor, t._stack.detach(), t._layout, t.shape, strides=t.stride())
         self.bind(out, t._handle)
         return out
 

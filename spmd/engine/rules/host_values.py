@@ -20,9 +20,15 @@ _KEY = torch._C.DispatchKey.PythonTLSSnapshot
 _LIBRARY = torch.library.Library("aten", "IMPL")  # kept alive: dropping it would unregister the kernels
 
 
-def _below(keyset):
-    """The keys the call goes on to after this kernel (autograd, where torch decomposes the op)."""
+def below(keyset):
+    """The keys the call goes on to after a kernel at this key (autograd, where torch decomposes the op)."""
     return keyset.remove(_KEY)
+
+
+def register_above_autograd(overload, kernel) -> None:
+    """Registers `kernel(keyset, *args, **kwargs)` for `overload` at the PythonTLSSnapshot key (see above): it
+    passes the call on with `overload.redispatch(below(keyset), ...)`."""
+    _LIBRARY.impl(overload.name().split("::")[-1], kernel, _KEY.name, with_keyset=True)
 
 
 def _global_value(t: DTensor) -> torch.Tensor:
@@ -37,7 +43,7 @@ def _tensor_split_by_tensor(keyset, self, indices, dim=0):
     # dtype, rank and device itself, and splits `self` by the Python ints)
     if isinstance(indices, DTensor) and type(indices._local) is torch.Tensor:  # (fake components hold no values)
         indices = _global_value(indices)
-    return aten.tensor_split.tensor_indices_or_sections.redispatch(_below(keyset), self, indices, dim)
+    return aten.tensor_split.tensor_indices_or_sections.redispatch(below(keyset), self, indices, dim)
 
 
 def _matrix_rank(overload):
@@ -45,7 +51,7 @@ def _matrix_rank(overload):
         x = args[0]
         if isinstance(x, DTensor) and x.numel() == 0:
             return _empty_matrix_rank(overload, args, kwargs)
-        return overload.redispatch(_below(keyset), *args, **kwargs)
+        return overload.redispatch(below(keyset), *args, **kwargs)
     return kernel
 
 
@@ -60,7 +66,7 @@ def _empty_matrix_rank(overload, args, kwargs) -> DTensor:
     return torch.zeros_like(args[0].sum((-2, -1)), dtype=torch.int64)
 
 
-_LIBRARY.impl("tensor_split.tensor_indices_or_sections", _tensor_split_by_tensor, _KEY.name, with_keyset=True)
+register_above_autograd(aten.tensor_split.tensor_indices_or_sections, _tensor_split_by_tensor)
 for _overload in (aten.linalg_matrix_rank.default, aten.linalg_matrix_rank.tol_tensor,
                   aten.linalg_matrix_rank.atol_rtol_tensor, aten.linalg_matrix_rank.atol_rtol_float):
-    _LIBRARY.impl(_overload.name().split("::")[-1], _matrix_rank(_overload), _KEY.name, with_keyset=True)
+    register_above_autograd(_overload, _matrix_rank(_overload))
