@@ -12,7 +12,7 @@ from spmd.collectives import backend_for
 from spmd.dtensor import DTensor, make
 from spmd.errors import LayoutError
 from spmd.layout import MATCH, UNSHARDED, Layout
-from spmd.ops import relayout_op
+from spmd.ops import born_with_layout, relayout_op
 
 
 class Pack(torch.autograd.Function):
@@ -262,6 +262,7 @@ def fetch_layout_of(t) -> Layout:
     return t._layout
 
 
+@born_with_layout
 def copy_to_mesh(tensor: Any, layout: Layout, source_layout: Layout | None = None) -> DTensor:
     """Copies a plain tensor (or array-like, or Python scalar) or a DTensor of another mesh onto `layout`.
 

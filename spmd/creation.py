@@ -7,7 +7,6 @@ for torch's factories (`torch.ones`, `torch.rand`, ...) and for spmd's functions
 from __future__ import annotations
 
 import inspect
-import threading
 from typing import Any, Callable, Sequence
 
 import torch
@@ -18,15 +17,8 @@ from spmd.api import relayout
 from spmd.dtensor import DTensor, make
 from spmd.errors import LayoutError
 from spmd.layout import Layout
-from spmd.mesh import Mesh
-
-_SCOPES = threading.local()  # `.meshes`: the meshes of this thread's open `default_mesh` scopes, innermost last
-
-
-def get_default_mesh() -> Mesh | None:
-    """The innermost `default_mesh` scope's mesh, or None outside every scope."""
-    meshes = getattr(_SCOPES, "meshes", None)
-    return meshes[-1] if meshes else None
+from spmd.mesh import get_default_mesh, pop_default_mesh, push_default_mesh
+from spmd.ops import born_with_layout
 
 
 def _shape(args, kwargs) -> tuple[int, ...]:
@@ -68,10 +60,10 @@ def _factory(torch_fn):
             return torch_fn(size, dtype=dtype, requires_grad=requires_grad, **kwargs)
         out = _local(size, target, lambda s, d: torch_fn(s, dtype=dtype, device=d))
         return out.requires_grad_() if requires_grad else out
-    create.__name__ = torch_fn.__name__
+    create.__name__ = create.__qualname__ = torch_fn.__name__
     create.__doc__ = (f"`torch.{torch_fn.__name__}` with a `layout=`: a DTensor whose devices each create "
                       "only their shard (a plain tensor without layout or default mesh).")
-    return create
+    return born_with_layout(create)
 
 
 zeros = _factory(torch.zeros)
@@ -79,6 +71,7 @@ ones = _factory(torch.ones)
 empty = _factory(torch.empty)
 
 
+@born_with_layout
 def fill(dims: Sequence[int], value, dtype=None, layout: Layout | None = None):
     """A tensor of shape `dims` filled with `value` (TF's `tf.fill`), with an optional layout.
 
@@ -121,9 +114,11 @@ def _rand(draw):
         size = _shape(shape, kwargs)
         return draw(size, srandom.draw_seed(generator), dtype=dtype or torch.get_default_dtype(),
                     layout=_target(size, layout))
-    return create
+    create.__qualname__ = f"{draw.__name__}_drawing_a_seed"
+    return born_with_layout(create)
 
 
+@born_with_layout
 def _arange(*args, dtype=None, layout: Layout | None = None, **kwargs):
     """`torch.arange` whose devices compute only their block: value = start + step * global index."""
     start, end, step = (0, args[0], 1) if len(args) == 1 else (tuple(args) + (1,))[:3]
@@ -158,9 +153,7 @@ class FactoryMode(TorchFunctionMode):
 
     def __enter__(self):
         if self.layout is None:
-            if not hasattr(_SCOPES, "meshes"):
-                _SCOPES.meshes = []
-            _SCOPES.meshes.append(self.mesh)
+            push_default_mesh(self.mesh)
         return super().__enter__()
 
     def __exit__(self, *exc):
@@ -168,7 +161,7 @@ class FactoryMode(TorchFunctionMode):
             return super().__exit__(*exc)
         finally:
             if self.layout is None:
-                _SCOPES.meshes.pop()
+                pop_default_mesh()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})

@@ -23,11 +23,13 @@ from spmd.api import copy_to_mesh, relayout
 from spmd.dtensor import DTensor, pending_dtensors
 from spmd.engine import dispatch
 from spmd.engine.propagation import hoist_relayouts
+from spmd import errors
 from spmd.errors import TraceError
 from spmd.explain import Explanation, Recorder
 from spmd.forbidden import check_forbidden, forbidden_kinds
 from spmd.layout import Layout
 from spmd.scope import EAGER_IMPLICIT_REPLICATION
+from spmd.tracing import prepare_dynamo
 
 # torch's own graph breaks in a training step: autograd's backward and the optimizer's step run between graphs
 MAX_TRACES = 64  # traces of one function (torch's recompile limit) before it runs eagerly
@@ -98,6 +100,7 @@ class Function:
         self._compile = _backend(backend, mode, dynamic)
         # each new layout is a trace: allow more than torch's default of 8 per function before it stops compiling
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, MAX_TRACES)
+        prepare_dynamo()  # also for a function whose arguments hold no DTensor (which would prepare it)
         self._compiled = torch.compile(_own_code(self._body), backend=self._counting, fullgraph=fullgraph,
                                        dynamic=dynamic)
 
@@ -107,12 +110,8 @@ class Function:
         try:
             with _running():
                 out = self._compiled(*args, **kwargs)
-        except torch._dynamo.exc.Unsupported as e:
-            raise _trace_error(self._fn, e) from None
-        except torch._dynamo.exc.BackendCompilerFailed as e:
-            if isinstance(e.inner_exception, TraceError):  # a forbidden collective
-                raise e.inner_exception from None
-            raise
+        except torch._dynamo.exc.TorchDynamoException as e:
+            raise _failed_trace(self._fn, e) from None
         if self._traces != traces:
             self._warn_breaks(breaks)
         return out
@@ -150,11 +149,9 @@ class Function:
         try:
             with _running():
                 torch.compile(_own_code(self._body), backend=capture, dynamic=self.options["dynamic"])(*args, **kwargs)
-        except torch._dynamo.exc.BackendCompilerFailed as e:
-            if not isinstance(e.inner_exception, _Captured):
-                raise
-        except torch._dynamo.exc.Unsupported as e:
-            raise _trace_error(self._fn, e) from None
+        except torch._dynamo.exc.TorchDynamoException as e:
+            if not isinstance(getattr(e, "inner_exception", None), _Captured):
+                raise _failed_trace(self._fn, e) from None
         return recorder.explanation
 
     # -- what Dynamo traces -----------------------------------------------------------------------------------
@@ -277,6 +274,20 @@ def _own_code(method) -> Callable:
 
 def _graph_breaks() -> dict:
     return dict(torch._dynamo.utils.counters["graph_break"])
+
+
+def _failed_trace(fn, e: Exception) -> Exception:
+    """What a failed trace raises, as eagerly: the error of spmd's own check that caused it (a rule's, a layout's, a
+    forbidden collective's) or the exception the function's own code raised, both of which Dynamo wraps; else a
+    TraceError for what Dynamo cannot trace; else Dynamo's error."""
+    cause, raised = e, False
+    while cause is not None:
+        if type(cause).__module__ == errors.__name__ or (
+                raised and not isinstance(cause, torch._dynamo.exc.TorchDynamoException)):
+            return cause
+        raised = raised or isinstance(cause, torch._dynamo.exc.ObservedException)
+        cause = getattr(cause, "inner_exception", None) or cause.__cause__ or cause.__context__
+    return _trace_error(fn, e) if isinstance(e, torch._dynamo.exc.Unsupported) else e
 
 
 def _trace_error(fn, e: Exception) -> TraceError:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import math
 import re
+import threading
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -416,6 +417,27 @@ def create_mesh(mesh_dims: Sequence[tuple[str, int]] | dict[str, int] | None = N
                           f"{shape}")
     ids = np.arange(len(devices)).reshape(shape)
     return Mesh([name for name, _ in dims], ids, list(range(len(devices))), devices, mesh_name)
+
+
+_DEFAULT_MESHES = threading.local()  # `.meshes`: the meshes of this thread's open `default_mesh` scopes, innermost last
+
+
+def get_default_mesh() -> Mesh | None:
+    """The innermost `default_mesh` scope's mesh, or None outside every scope."""
+    meshes = getattr(_DEFAULT_MESHES, "meshes", None)
+    return meshes[-1] if meshes else None
+
+
+def push_default_mesh(mesh: Mesh) -> None:
+    """Makes `mesh` what `get_default_mesh()` returns until the matching `pop_default_mesh()` (`spmd.default_mesh`
+    is the public scope, which also makes torch's factories create DTensors)."""
+    if not hasattr(_DEFAULT_MESHES, "meshes"):
+        _DEFAULT_MESHES.meshes = []
+    _DEFAULT_MESHES.meshes.append(mesh)
+
+
+def pop_default_mesh() -> None:
+    _DEFAULT_MESHES.meshes.pop()
 
 
 def _default_devices(dims: list, device_type: str) -> list[str]:

@@ -12,13 +12,16 @@ from typing import Sequence
 
 import torch
 
+from spmd.collectives.groups import tracing
 from spmd.dtensor import make
 from spmd.layout import Layout, axis_dims
+from spmd.ops import born_with_layout
 
 _GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as a signed 64-bit integer
 _M1 = -4658895280553007687  # 0xBF58476D1CE4E5B9
 _M2 = -7723592293110705685  # 0x94D049BB133111EB
 _MASK64 = (1 << 64) - 1
+_KEY_START, _FNV_PRIME = 0x5EED, 0x100000001B3  # a key starts from 0x5EED; FNV-1's prime mixes in each part
 
 
 def _mix(z: torch.Tensor) -> torch.Tensor:
@@ -35,16 +38,30 @@ def _signed(x: int) -> int:
     return x - (1 << 64) if x >= 1 << 63 else x
 
 
-def _key(seed, stream: int) -> int:
-    """One 64-bit key from a seed (an int, or a pair of ints as in TF) and a stream number."""
+def _mix_int(z: int) -> int:
+    """`_mix` on one Python int (as a signed 64-bit value)."""
+    z &= _MASK64
+    z ^= z >> 30
+    z = z * _M1 & _MASK64
+    z ^= z >> 27
+    z = z * _M2 & _MASK64
+    return _signed(z ^ z >> 31)
+
+
+def _seed_parts(seed) -> list[int]:
     if isinstance(seed, torch.Tensor):
         seed = seed.tolist()
     parts = list(seed) if isinstance(seed, (list, tuple)) else [seed]
     if not parts or not all(isinstance(p, int) or hasattr(p, "__index__") for p in parts):
         raise TypeError(f"seed must be an int or a pair of ints (as TF's seed=(1, 2)), got {seed!r}")
-    key = 0x5EED
-    for p in parts + [stream]:
-        key = int(_mix(torch.tensor([_signed(key * 0x100000001B3 ^ int(p))]))[0])
+    return [int(p) for p in parts]
+
+
+def _key(seed, stream: int) -> int:
+    """One 64-bit key from a seed (an int, or a pair of ints as in TF) and a stream number."""
+    key = _KEY_START
+    for p in _seed_parts(seed) + [stream]:
+        key = _mix_int(key * _FNV_PRIME ^ p)
     return key
 
 
@@ -57,7 +74,7 @@ def global_index(shape: Sequence[int], axes: Sequence, mesh, device) -> torch.Te
     shards = [math.prod(mesh.dim_size(m) for m in axis_dims(axis)) for axis in axes]
     for a in reversed(range(len(shape))):
         local = shape[a] // shards[a]
-        first = torch.tensor([_block(loc, axes[a], mesh) * local for loc in locations], device=device)
+        first = torch.tensor([_block(loc, axes[a], mesh) * local for loc in locations]).to(device)
         view = [1] * (len(shape) + 1)
         view[a + 1] = local
         index = index + (first.view((n_local,) + (1,) * len(shape)) + torch.arange(
@@ -74,13 +91,31 @@ def _block(location, axis, mesh) -> int:
     return index
 
 
-def uniform_bits(index: torch.Tensor, key: int) -> torch.Tensor:
-    return _mix(index * _GOLDEN + key)
+def uniform_bits(index: torch.Tensor, seed, stream: int) -> torch.Tensor:
+    """64 random bits (int64) for each global element index in `index`, from `seed` and a stream number."""
+    if tracing(index):
+        if not (isinstance(seed, torch.Tensor) and tracing(seed)):  # a constant of the graph
+            seed = torch.tensor(_seed_parts(seed))
+        return counter_bits(index, seed, stream)
+    return _mix(index * _GOLDEN + _key(seed, stream))
 
 
-def uniform01(index: torch.Tensor, key: int, dtype: torch.dtype) -> torch.Tensor:
+@torch.library.custom_op("spmd::counter_bits", mutates_args=())
+def counter_bits(index: torch.Tensor, seed: torch.Tensor, stream: int) -> torch.Tensor:
+    """`uniform_bits` as one opaque op of a traced graph (`seed` holds a seed's parts, or a 0-d seed drawn in the
+    graph). The mixer relies on int64 multiplication wrapping around; inductor's C++ code takes signed overflow as
+    impossible, and its optimised loops then give wrong values."""
+    return _mix(index * _GOLDEN + _key(seed, stream)).contiguous()
+
+
+@counter_bits.register_fake
+def _(index, seed, stream):
+    return index.new_empty(index.shape)
+
+
+def uniform01(index: torch.Tensor, seed, stream: int, dtype: torch.dtype) -> torch.Tensor:
     """Uniform floats in [0, 1) (53 random bits for float64, 24 otherwise)."""
-    bits = uniform_bits(index, key)
+    bits = uniform_bits(index, seed, stream)
     if dtype == torch.float64:
         return ((bits >> 11) & ((1 << 53) - 1)).to(torch.float64) * 2.0 ** -53
     return (((bits >> 40) & ((1 << 24) - 1)).to(torch.float32) * 2.0 ** -24).to(dtype)
@@ -88,8 +123,8 @@ def uniform01(index: torch.Tensor, key: int, dtype: torch.dtype) -> torch.Tensor
 
 def normal01(index: torch.Tensor, seed, dtype: torch.dtype, round_: int = 0) -> torch.Tensor:
     """Standard normal values by Box-Muller over two uniform streams."""
-    u1 = uniform01(index, _key(seed, 2 * round_ + 1), torch.float64)
-    u2 = uniform01(index, _key(seed, 2 * round_ + 2), torch.float64)
+    u1 = uniform01(index, seed, 2 * round_ + 1, torch.float64)
+    u2 = uniform01(index, seed, 2 * round_ + 2, torch.float64)
     return (torch.sqrt(-2.0 * torch.log1p(-u1)) * torch.cos(2 * math.pi * u2)).to(dtype)
 
 
@@ -98,7 +133,7 @@ def truncated01(index: torch.Tensor, seed, dtype: torch.dtype) -> torch.Tensor:
     out = normal01(index, seed, torch.float64, 0)
     for r in range(1, 64):
         bad = out.abs() > 2
-        if not bad.any():
+        if not tracing(out) and not bad.any():  # a traced graph cannot branch on values: it runs every round
             break
         out = torch.where(bad, normal01(index, seed, torch.float64, r), out)
     return out.clamp(-2, 2).to(dtype)
@@ -120,6 +155,7 @@ def _generate(shape, layout: Layout | None, device, fn):
     return make(fn(global_index(shape, layout.axes, mesh, mesh.torch_device)).contiguous(), layout)
 
 
+@born_with_layout
 def stateless_uniform(shape: Sequence[int], seed, minval=0, maxval=None, dtype=torch.float32,
                       layout: Layout | None = None, device=None):
     """Uniform values in [minval, maxval) that depend only on `seed` and the global index.
@@ -142,27 +178,31 @@ def stateless_uniform(shape: Sequence[int], seed, minval=0, maxval=None, dtype=t
         span = int(maxval) - int(minval)
         if span <= 0:
             raise ValueError(f"stateless_uniform needs minval < maxval, got minval={minval} and maxval={maxval}")
-        return _generate(shape, layout, device, lambda i: ((uniform_bits(i, _key(seed, 0)) >> 1) % span
+        return _generate(shape, layout, device, lambda i: ((uniform_bits(i, seed, 0) >> 1) % span
                                                            + int(minval)).to(dtype))
     maxval = 1 if maxval is None else maxval
     if minval > maxval:
         raise ValueError(f"stateless_uniform needs minval <= maxval, got minval={minval} and maxval={maxval}")
     return _generate(shape, layout, device,
-                     lambda i: uniform01(i, _key(seed, 0), dtype) * (maxval - minval) + minval)
+                     lambda i: uniform01(i, seed, 0, dtype) * (maxval - minval) + minval)
 
 
+@born_with_layout
 def stateless_normal(shape: Sequence[int], seed, mean=0.0, stddev=1.0, dtype=torch.float32,
                      layout: Layout | None = None, device=None):
     """Normal values (mean, stddev) that depend only on `seed` and the global index (see `stateless_uniform`)."""
     return _generate(shape, layout, device, lambda i: normal01(i, seed, dtype) * stddev + mean)
 
 
+@born_with_layout
 def stateless_truncated_normal(shape: Sequence[int], seed, mean=0.0, stddev=1.0, dtype=torch.float32,
                                layout: Layout | None = None, device=None):
     """Normal values re-drawn until within two standard deviations of the mean (TF's truncated normal)."""
     return _generate(shape, layout, device, lambda i: truncated01(i, seed, dtype) * stddev + mean)
 
 
-def draw_seed(generator: torch.Generator | None = None) -> int:
-    """A fresh seed from torch's generator, so `torch.manual_seed` makes spmd's random ops reproducible."""
-    return int(torch.randint(0, 2 ** 62, (1,), generator=generator).item())
+def draw_seed(generator: torch.Generator | None = None):
+    """A fresh seed from torch's generator, so `torch.manual_seed` makes spmd's random ops reproducible: an int, or,
+    inside a traced graph, the 0-d tensor that the graph draws anew at each call."""
+    seed = torch.randint(0, 2 ** 62, (), generator=generator)
+    return seed if tracing(seed) else int(seed)

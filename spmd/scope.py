@@ -11,12 +11,12 @@ import torch.fx.traceback as fx_traceback
 import torch.utils._pytree as pytree
 
 from spmd.collectives.local import traced
-from spmd.creation import FactoryMode, get_default_mesh
+from spmd.creation import FactoryMode
 from spmd.dtensor import DTensor
 from spmd.engine import dispatch
 from spmd.engine.rules.host_values import below, register_above_autograd
 from spmd.errors import LayoutError, UnsupportedOpError
-from spmd.mesh import Mesh
+from spmd.mesh import Mesh, get_default_mesh
 
 __all__ = ["default_mesh", "get_default_mesh", "implicit_replication"]
 

@@ -2,6 +2,8 @@
 
 - Layouts and meshes are immutable values: Dynamo may read them as constants (when a layout is made inside a
   compiled function, or read from an intermediate DTensor).
+- A call that makes a DTensor from plain values and a layout (`spmd.ones(..., layout=)`, `copy_to_mesh`) enters
+  the graph whole (`ops.born_with_layout`).
 - spmd's own Python (the dispatcher, rules, planner, collectives) runs at trace time inside AOTAutograd, never as
   a Dynamo frame of its own: where a user's function has a graph break, Dynamo would otherwise try to compile
   `__torch_dispatch__` called from the eager part.
@@ -21,6 +23,7 @@ import torch
 
 from spmd.layout import Layout
 from spmd.mesh import Mesh
+from spmd.ops import call_born_with_layout
 
 _READY = False
 _CONSTANT_TYPES = [Layout, Mesh]
@@ -39,6 +42,7 @@ def prepare_dynamo() -> None:
         return
     _READY = True
     _register_constant_types()
+    torch.compiler.allow_in_graph(call_born_with_layout)
     _skip_spmd_frames()
     tag = f"spmd-{source_digest()}"
     if tag not in torch.compiler.config.cache_key_tag:

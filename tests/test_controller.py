@@ -209,6 +209,18 @@ def _messages(ctl, monkeypatch) -> list[list]:
     return sent
 
 
+def test_function_draws_random_numbers_on_the_workers_and_refuses_factories_with_layout(ctl, mesh):
+    x = torch.randn(8, 4)
+    dx = spmd.copy_to_mesh(x, Layout(["batch", U], mesh))
+    dropout = spmd.function(lambda a: F.dropout(a, 0.5), backend="aot_eager")
+    first, second = spmd.to_global(dropout(dx)), spmd.to_global(dropout(dx))  # the seed drawn by each call
+    kept = first != 0
+    torch.testing.assert_close(first[kept], 2 * x[kept])
+    assert 0 < kept.float().mean() < 1 and not torch.equal(first, second)
+    with pytest.raises(spmd.UnsupportedOpError, match="single-controller mesh"):
+        spmd.function(lambda a: a + spmd.ones(8, 4, layout=Layout([U, "model"], mesh)), backend="aot_eager")(dx)
+
+
 def test_function_runs_each_graph_on_the_workers_with_one_instruction(ctl, mesh, monkeypatch):
     torch.manual_seed(0)
     x, w = torch.randn(8, 16), torch.randn(16, 4)

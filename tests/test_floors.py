@@ -19,8 +19,8 @@ PACKAGE = ROOT / "spmd"
 FLOORS = {  # a module's floor is that of its longest matching entry; `spmd` alone is the package's __init__
     0: ["spmd.errors", "spmd.mesh", "spmd.layout", "spmd.clients", "spmd.hlo_sharding", "spmd.jax_sharding",
         "spmd.torch_placements"],  # values
-    1: ["spmd.collectives", "spmd.explain", "spmd.tracing"],  # collectives
-    2: ["spmd.dtensor", "spmd.ops", "spmd.random", "spmd.shards"],  # the DTensor
+    1: ["spmd.collectives", "spmd.explain", "spmd.ops", "spmd.tracing"],  # collectives, spmd's own ops
+    2: ["spmd.dtensor", "spmd.random", "spmd.shards"],  # the DTensor
     3: ["spmd.engine"],  # the rule engine
     4: ["spmd.api", "spmd.creation", "spmd.scope", "spmd.variable", "spmd.function_mode", "spmd.forbidden",
         "spmd.visualize"],

@@ -166,6 +166,89 @@ def test_tensors_made_inside_take_the_layout_propagation_gives(mesh22, backend):
         masked_rows(a)
 
 
+def _made_with_layouts(mesh):
+    """Every way to make a DTensor with `layout=` from nothing, one layout each (a mix of shardings)."""
+    xy, y_, yx = Layout(["x", "y"], mesh), Layout(["y", U], mesh), Layout(["y", "x"], mesh)
+    return {
+        "zeros": lambda: spmd.zeros(4, 2, layout=xy),
+        "ones": lambda: spmd.ones((4, 2), dtype=torch.float64, layout=yx),
+        "fill": lambda: spmd.fill((4, 2), 7.0, None, y_),  # the layout given by position
+        "full": lambda: spmd.full((4, 2), 3, layout=xy),
+        "ones_like": lambda: spmd.ones_like(torch.empty(4, 2), layout=y_),
+        "arange": lambda: spmd.call_with_layout(torch.arange, Layout(["x"], mesh), 2, 10, 2),
+        "torch.full": lambda: spmd.call_with_layout(torch.full, yx, (4, 2), 1.5),
+        "own function": lambda: spmd.call_with_layout(lambda: torch.ones(4, 2) * 2, xy),
+        "stateless_uniform": lambda: spmd.random.stateless_uniform((4, 2), seed=(1, 2), layout=yx),
+        "stateless_normal": lambda: spmd.random.stateless_normal((4, 2), seed=3, layout=y_),
+        "truncated_normal": lambda: spmd.random.stateless_truncated_normal((4, 2), seed=3, layout=xy),
+        "copy_to_mesh": lambda: spmd.copy_to_mesh(torch.arange(8.).reshape(4, 2), Layout([U, "x"], mesh)),
+    }
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_tensors_made_with_a_layout_inside_keep_it(mesh22, backend):
+    """The seeds' rule: a tensor made inside the function with `layout=` keeps that layout. Each is one node of
+    the graph; every device makes only its own shard, as eagerly (every component equal), with no collective."""
+    made = _made_with_layouts(mesh22)
+    f = spmd.function(lambda a: (a, *(make() for make in made.values())), backend=backend)
+    a = spmd.copy_to_mesh(torch.ones(4), Layout(["x"], mesh22))
+    for name, got, eager in zip(made, f(a)[1:], (make() for make in made.values())):
+        assert spmd.fetch_layout(got) == spmd.fetch_layout(eager), name
+        assert components(got) == components(eager), name
+    assert f.explain(a).collectives == []
+    assert f.experimental_get_tracing_count() == 1
+
+
+def test_default_mesh_scope_inside_and_around_a_function(mesh22):
+    def made_inside(a):
+        with spmd.default_mesh(mesh22):
+            return a + spmd.ones(4, 2), torch.zeros(3)
+
+    def made_in_scope(a):
+        return a * spmd.full((4, 2), 2.0)
+
+    a = spmd.copy_to_mesh(torch.arange(8.).reshape(4, 2), Layout(["x", U], mesh22))
+    out, zeros = spmd.function(made_inside, backend="aot_eager")(a)
+    assert gather(out).tolist() == (torch.arange(8.).reshape(4, 2) + 1).tolist()
+    assert spmd.fetch_layout(zeros) == Layout.replicated(mesh22, 1) and spmd.get_default_mesh() is None
+    with spmd.default_mesh(mesh22):
+        doubled = spmd.function(made_in_scope, backend="aot_eager")(a)
+    assert gather(doubled).tolist() == (torch.arange(8.).reshape(4, 2) * 2).tolist()
+
+
+def test_factories_inside_a_function_raise_spmds_errors(mesh22):
+    a = spmd.copy_to_mesh(torch.ones(4), Layout(["x"], mesh22))
+    with pytest.raises(spmd.IndivisibleError, match=r"shape \[4, 3\]"):
+        spmd.function(lambda t: spmd.ones(4, 3, layout=Layout(["y", "x"], mesh22)).sum() + t, backend="eager")(a)
+    with pytest.raises(spmd.LayoutError, match="rank 1"):
+        spmd.function(lambda t: spmd.zeros(4, layout=Layout(["y", "x"], mesh22)) + t, backend="eager")(a)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_random_ops_inside_a_function_draw_anew_at_each_call(mesh22, backend):
+    """Dropout and `rand(layout=)` inside a compiled function: the graph draws the seed at each call (it is not
+    baked in at trace time), and the values do not depend on the layout."""
+    x = torch.randn(8, 4)
+
+    def step(a):
+        return F.dropout(a, 0.5), spmd.call_with_layout(torch.rand, spmd.fetch_layout(a), 8, 4)
+
+    results = []
+    for specs in (["x", U], [U, "y"], ["y", "x"]):
+        f = spmd.function(step, backend=backend)
+        a = spmd.copy_to_mesh(x, Layout(specs, mesh22))
+        torch.manual_seed(0)
+        first = [gather(t) for t in f(a)]
+        second = [gather(t) for t in f(a)]
+        results.append(first)
+        assert not torch.equal(first[0], second[0]) and not torch.equal(first[1], second[1])
+        kept = first[0] != 0
+        torch.testing.assert_close(first[0][kept], 2 * x[kept])
+        assert 0.1 < kept.float().mean() < 0.9 and 0 <= first[1].min() and first[1].max() < 1
+    for other in results[1:]:
+        torch.testing.assert_close(other, results[0])
+
+
 def test_untraceable_function_names_the_line(mesh22):
     a = spmd.copy_to_mesh(torch.ones(4), Layout(["x"], mesh22))
 

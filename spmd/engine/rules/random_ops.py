@@ -17,7 +17,7 @@ aten = torch.ops.aten
 
 def _uniform(call: OpCall, spec, generator, dtype):
     index = srandom.global_index(spec.shape, spec.axes, call.mesh, call.mesh.torch_device)
-    return srandom.uniform01(index, srandom._key(srandom.draw_seed(generator), 0), dtype)
+    return srandom.uniform01(index, srandom.draw_seed(generator), 0, dtype)
 
 
 def _normal(call: OpCall, spec, generator, dtype):
