@@ -1,6 +1,7 @@
 """`spmd demo` and `spmd tour`, in small configurations (the full demo runs in CI as the README's first command)."""
 
 import io
+import warnings
 
 import pytest
 from rich.console import Console
@@ -21,10 +22,14 @@ def test_demo_loss_curve_matches_single_device(mesh, dropout):
     assert len(result["losses"]) == 3 and result["tokens_per_s"] > 0
 
 
-@pytest.mark.parametrize("shard_parameters", [False, True])
-def test_demo_compiled_matches_single_device(shard_parameters):
-    result = run(DemoArgs(mesh="batch=2,model=2", steps=3, batch_size=8, block_size=16, d_model=32, compile=True,
-                          shard_parameters=shard_parameters), _quiet())
+@pytest.mark.parametrize("shard_parameters,dropout", [(False, 0.0), (True, 0.0), (False, 0.1)])
+def test_demo_compiled_matches_single_device(shard_parameters, dropout):
+    """(With dropout, the compiled step draws its seeds inside the graph; the check is a 1-device mesh's run.)"""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = run(DemoArgs(mesh="batch=2,model=2", steps=3, batch_size=8, block_size=16, d_model=32,
+                              compile=True, shard_parameters=shard_parameters, dropout=dropout), _quiet())
+    assert not [w for w in caught if "graph breaks" in str(w.message)]  # beyond torch's own (backward, step)
     assert result["parity"], result
 
 
