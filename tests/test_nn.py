@@ -260,7 +260,7 @@ def test_meta_init_fn_replaces_reset_parameters():
             tensor.zero_()
             return None
         if "running_var" in name:
-            return 1.0 + tensor * 0
+            return torch.ones_like(tensor)  # a DTensor of the same layout (not `tensor * 0`: `empty` may hold NaN)
         return srandom.stateless_normal(tensor.shape, seed=(len(name), 7), stddev=0.02, dtype=tensor.dtype,
                                         layout=spmd.fetch_layout(tensor))
 
