@@ -39,7 +39,8 @@ def _signed(x: int) -> int:
 
 
 def _mix_int(z: int) -> int:
-    """`_mix` on one Python int (as a signed 64-bit value)."""
+    """`_mix` on one Python int (as a signed 64-bit value): a seed's key, which eager random ops derive at each
+    call (5 µs in Python; 160 through one-element tensors)."""
     z &= _MASK64
     z ^= z >> 30
     z = z * _M1 & _MASK64
