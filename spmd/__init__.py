@@ -27,6 +27,9 @@ from spmd.nn import LayoutMap, Strategy, distribute_module
 from spmd.scope import default_mesh, get_default_mesh, implicit_replication
 from spmd.variable import DVariable
 from spmd.visualize import visualize
+from spmd.tracing import prepare_when_dynamo_loads
+
+prepare_when_dynamo_loads()  # last: Dynamo is told to skip the frames of every module imported above
 
 __version__ = "0.1.0"
 

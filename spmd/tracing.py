@@ -1,4 +1,5 @@
-"""What `torch.compile` needs to know about spmd, set up the first time Dynamo meets a DTensor.
+"""What `torch.compile` needs to know about spmd, set up when torch.compile first imports Dynamo (or when spmd is
+imported, if Dynamo is loaded already): importing Dynamo takes over a second, which `import spmd` does not pay.
 
 - Layouts and meshes are immutable values: Dynamo may read them as constants (when a layout is made inside a
   compiled function, or read from an intermediate DTensor).
@@ -15,6 +16,8 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.abc
+import importlib.util
 import pathlib
 import sys
 import types
@@ -47,6 +50,36 @@ def prepare_dynamo() -> None:
     tag = f"spmd-{source_digest()}"
     if tag not in torch.compiler.config.cache_key_tag:
         torch.compiler.config.cache_key_tag += tag
+
+
+def prepare_when_dynamo_loads() -> None:
+    """Prepares Dynamo now if it is loaded, else right after the import that loads it (torch.compile's first call),
+    so that a compiled function may make a DTensor with a layout before it meets any DTensor."""
+    if "torch._dynamo" in sys.modules:
+        prepare_dynamo()
+    elif not any(isinstance(finder, _DynamoImportHook) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _DynamoImportHook())
+
+
+class _DynamoImportHook(importlib.abc.MetaPathFinder):
+    """Finds `torch._dynamo` as the other finders do, and prepares it once its module has run."""
+
+    def find_spec(self, name, path, target=None):
+        if name != "torch._dynamo":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        run_module = spec.loader.exec_module
+
+        def run_then_prepare(module):
+            run_module(module)
+            setattr(sys.modules["torch"], "_dynamo", module)  # (the import binds it only after this returns)
+            prepare_dynamo()
+
+        spec.loader.exec_module = run_then_prepare
+        return spec
 
 
 @functools.cache

@@ -7,6 +7,8 @@ expanding every op, forward and backward) without inductor's code generation, wh
 from __future__ import annotations
 
 import copy
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -214,6 +216,28 @@ def test_default_mesh_scope_inside_and_around_a_function(mesh22):
     with spmd.default_mesh(mesh22):
         doubled = spmd.function(made_in_scope, backend="aot_eager")(a)
     assert gather(doubled).tolist() == (torch.arange(8.).reshape(4, 2) * 2).tolist()
+
+
+_BARE_COMPILE = """
+import sys
+import torch
+if sys.argv[1] == "dynamo first":
+    import torch._dynamo
+import spmd
+mesh = spmd.create_mesh([("x", 2)], devices=["CPU:0", "CPU:1"])
+layout = spmd.Layout(["x", spmd.UNSHARDED], mesh)
+made = torch.compile(lambda: spmd.ones((4, 3), layout=layout) * 2, fullgraph=True, backend="aot_eager")()
+assert spmd.fetch_layout(made) == layout and spmd.to_global(made).tolist() == [[2.0] * 3] * 4
+"""
+
+
+@pytest.mark.parametrize("order", ["spmd first", "dynamo first"])
+def test_bare_torch_compile_makes_a_dtensor_before_meeting_one(order):
+    """A function whose first DTensor is one it makes with `layout=` compiles under a bare torch.compile, whether
+    torch.compile loads Dynamo after spmd's import or Dynamo was loaded before it (a fresh interpreter each)."""
+    result = subprocess.run([sys.executable, "-c", _BARE_COMPILE, order], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
 
 
 def test_factories_inside_a_function_raise_spmds_errors(mesh22):
