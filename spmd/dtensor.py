@@ -108,7 +108,7 @@ class DTensor(torch.Tensor):
     # plain kernels over the components and the collectives. A pending reduction never crosses a graph boundary:
     # it is resolved here.
     def __tensor_flatten__(self):
-        prepare_dynamo()
+        prepare_dynamo()  # (already done when torch.compile imported Dynamo, unless its loader was unusual)
         if self._pending:
             if isinstance(self._stack, FunctionalTensor) and torch._C._get_dispatch_mode(_FUNCTIONAL) is None:
                 # AOTAutograd unwraps a traced function's outputs after leaving its functionalisation mode

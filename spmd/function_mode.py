@@ -29,7 +29,6 @@ from spmd.explain import Explanation, Recorder
 from spmd.forbidden import check_forbidden, forbidden_kinds
 from spmd.layout import Layout
 from spmd.scope import EAGER_IMPLICIT_REPLICATION
-from spmd.tracing import prepare_dynamo
 
 # torch's own graph breaks in a training step: autograd's backward and the optimizer's step run between graphs
 MAX_TRACES = 64  # traces of one function (torch's recompile limit) before it runs eagerly
@@ -100,7 +99,6 @@ class Function:
         self._compile = _backend(backend, mode, dynamic)
         # each new layout is a trace: allow more than torch's default of 8 per function before it stops compiling
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, MAX_TRACES)
-        prepare_dynamo()  # also for a function whose arguments hold no DTensor (which would prepare it)
         self._compiled = torch.compile(_own_code(self._body), backend=self._counting, fullgraph=fullgraph,
                                        dynamic=dynamic)
 

@@ -75,7 +75,7 @@ class _DynamoImportHook(importlib.abc.MetaPathFinder):
 
         def run_then_prepare(module):
             run_module(module)
-            setattr(sys.modules["torch"], "_dynamo", module)  # (the import binds it only after this returns)
+            torch._dynamo = module  # (the import binds it only after this returns)
             prepare_dynamo()
 
         spec.loader.exec_module = run_then_prepare
