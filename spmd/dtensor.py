@@ -135,7 +135,11 @@ class DTensor(torch.Tensor):
         return relayout_op(self, expected_layout.to_string())
 
     def _stable_hash_for_caching(self) -> str:
-        return f"{self._layout.to_string()}|{self._stack.stride()}"
+        """What AOTAutograd's cache keys a compiled graph's DTensor input on: everything the graph was traced for
+        (layout, shapes, strides, dtype, pending sum), so that no other input reuses it."""
+        stack = self._stack
+        return (f"{self._layout.to_string()}|{tuple(self.shape)}|{self.dtype}|{self.requires_grad}|"
+                f"{tuple(stack.shape)}|{stack.stride()}|{stack.device.type}|{self._pending}|{self._pending_op}")
 
     # -- torch.distributed.checkpoint's tensor-subclass protocol (as torch's own DTensor has) ------------------------
     # For DCP's save/load called without spmd.checkpoint's planners: every local device is a chunk of its own.

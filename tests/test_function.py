@@ -7,6 +7,7 @@ expanding every op, forward and backward) without inductor's code generation, wh
 from __future__ import annotations
 
 import copy
+import os
 import subprocess
 import sys
 import warnings
@@ -238,6 +239,46 @@ def test_bare_torch_compile_makes_a_dtensor_before_meeting_one(order):
     result = subprocess.run([sys.executable, "-c", _BARE_COMPILE, order], capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+_CACHED_STEP = """
+import sys
+import torch
+import spmd
+from spmd import Layout, UNSHARDED
+mesh = spmd.create_mesh([("x", 2)])
+dtype = getattr(torch, sys.argv[1])
+w = spmd.DVariable(torch.ones(4, 4, dtype=dtype), layout=Layout([UNSHARDED, UNSHARDED], mesh))
+x = spmd.copy_to_mesh(torch.ones(8, 4, dtype=dtype), Layout(["x", UNSHARDED], mesh))
+
+def step(x):
+    loss = (x @ w).relu().sum()
+    loss.backward()
+    return loss
+
+assert spmd.function(step, fullgraph=False)(x).dtype == dtype
+"""
+
+
+def test_compiled_graphs_on_disk_are_not_reused_for_other_dtypes(tmp_path):
+    """torch.compile's caches (AOTAutograd's, inductor's) key a graph on each DTensor input's dtype, shapes and
+    layout: a float32 run and then a bfloat16 run of the same step, sharing one cache folder, each get their own."""
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path))
+    for dtype in ("float32", "bfloat16"):
+        result = subprocess.run([sys.executable, "-c", _CACHED_STEP, dtype], capture_output=True, text=True,
+                                timeout=300, env=env)
+        assert result.returncode == 0, (dtype, result.stderr[-3000:])
+
+
+def test_the_compile_cache_key_of_a_dtensor_names_what_a_graph_was_traced_for(mesh22):
+    def key(t):
+        return t._stable_hash_for_caching()
+
+    x = spmd.copy_to_mesh(torch.ones(4, 4), Layout(["x", UNSHARDED], mesh22))
+    others = [x.to(torch.bfloat16), spmd.copy_to_mesh(torch.ones(8, 4), Layout(["x", UNSHARDED], mesh22)),
+              spmd.relayout(x, Layout(["y", UNSHARDED], mesh22)), x.detach().requires_grad_()]
+    assert len({key(t) for t in [x] + others}) == 5
+    assert key(x) == key(spmd.copy_to_mesh(torch.zeros(4, 4), Layout(["x", UNSHARDED], mesh22)))
 
 
 def test_factories_inside_a_function_raise_spmds_errors(mesh22):
