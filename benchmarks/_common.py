@@ -67,11 +67,12 @@ def launch_clients(script: str, argv: list[str], world: int, timeout: float) -> 
 
 
 @contextlib.contextmanager
-def torch_dist_ws1():
-    """A gloo process group of world size 1 in this process (reuses one that is already initialised)."""
+def torch_dist_ws1(backend: str = "gloo"):
+    """A process group of world size 1 in this process (reuses one that is already initialised); `backend` "nccl"
+    for torch DTensor on a CUDA mesh."""
     owned = not dist.is_initialized()
     if owned:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         yield
     finally:

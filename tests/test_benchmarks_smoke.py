@@ -7,7 +7,7 @@ import importlib.util
 
 import pytest
 
-from benchmarks import bench_mlp, bench_ops
+from benchmarks import bench_gpu, bench_mlp, bench_ops
 
 
 def test_bench_ops_quick(tmp_path):
@@ -80,3 +80,33 @@ def test_bench_controller_quick(tmp_path):
     assert (tmp_path / "controller.md").exists()
     r = data["engines"]["monarch"]
     assert r["step_ms"] > 0 and r["function_step_ms"] > 0 and data["multiclient_function_step_ms"] > 0
+
+
+def test_bench_gpu_quick(tmp_path):
+    """The GPU benchmark's eager variants on the CPU (fp32, a tiny GPT), each in a process of its own."""
+    variants = ("plain", "spmd1", "spmd8", "dt")
+    data = bench_gpu.main(["--quick", "--variants", ",".join(variants), "--out", str(tmp_path)])
+    assert (tmp_path / "gpu.md").exists() and (tmp_path / "gpu.json").exists()
+    assert data["complete"] and set(data["variants"]) == set(variants)
+    for name, r in data["variants"].items():
+        assert "error" not in r, (name, r["error"], r.get("traceback_tail"))
+        assert r["median_ms"] > 0 and r["tokens_per_s"] > 0 and r["peak_bytes"] > 0, name
+        assert len(r["losses"]) == data["warm"] + data["steps"], name
+        if name != "plain":  # fp32: the same losses and the same parameter updates as plain torch
+            assert r["max_rel_loss_diff"] <= 1e-5 and r["min_update_cosine"] > 0.99, (name, r)
+    assert "spmd eager, 8 virtual devices" in bench_gpu.readme_table(data)
+
+
+def test_bench_gpu_reports_a_failing_or_hanging_variant(tmp_path):
+    """A variant that raises or runs past its timeout comes back as an error with its log's end, not an exception,
+    also when variants start together (--concurrent-compile) and one of them fails before it is let go."""
+    cfg = dict(bench_gpu.QUICK, device="cpu", dtype="float32", warm=1, steps=1, threads=1, batch_size=6,
+               scratch=str(tmp_path))  # a batch of 6 does not divide over the 8-device mesh's batch=4
+    results = {}
+    bench_gpu.run_gated(["spmd8", "spmd1"], cfg, {"spmd8": 120, "spmd1": 120}, str(tmp_path), results.__setitem__)
+    assert "IndivisibleError" in results["spmd8"]["error"] and results["spmd8"]["traceback_tail"]
+    assert (tmp_path / "spmd8.log").exists()
+    assert "error" not in results["spmd1"] and results["spmd1"]["median_ms"] > 0
+    hung = bench_gpu.run_variant("plain", cfg, timeout=0.5, logs=None)
+    assert hung["error"].startswith("timed out after")
+

@@ -199,46 +199,79 @@ def nll_loss_backward_rule(call: OpCall) -> Decision:
     return Decision(inputs, (x_axes,), kernel)
 
 
-@register(aten._scaled_dot_product_flash_attention_for_cpu.default,
-          aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
+# -- fused attention --------------------------------------------------------------------------------------------
+# Every fused attention kernel torch's scaled_dot_product_attention may pick, with its backward: op -> the rank of
+# its logsumexp (forward ops; cuDNN's keeps a trailing axis of 1) or None (backward ops: one gradient per q, k, v
+# and, for the memory-efficient kernel, the bias)
+_FUSED_ATTENTION = {
+    aten._scaled_dot_product_flash_attention_for_cpu.default: 3,
+    aten._scaled_dot_product_flash_attention.default: 3,
+    aten._scaled_dot_product_efficient_attention.default: 3,
+    aten._scaled_dot_product_cudnn_attention.default: 4,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default: None,
+    aten._scaled_dot_product_flash_attention_backward.default: None,
+    aten._scaled_dot_product_efficient_attention_backward.default: None,
+    aten._scaled_dot_product_cudnn_attention_backward.default: None,
+}
+_PER_HEAD = {"query", "key", "value", "grad_out", "grad_out_", "out", "logsumexp"}  # (B, H, ...) operands
+_MASKS = {"attn_mask", "attn_bias"}  # broadcast to (B, H, L, S); anything else (a seed, an offset) is one value
+
+
+@register(*_FUSED_ATTENTION)
 def attention_rule(call: OpCall) -> Decision:
     """Attention (B, H, L|S, E) and its backward: each (batch, head) is independent, so those axes keep their
-    sharding (merged over the operands, first wins); sequence and embedding axes are whole on each device.
-    A mask is broadcast to (B, H, L, S) and sharded like the batch axes."""
+    sharding (merged over the operands, first wins); sequence and embedding axes are whole on each device. A mask
+    is broadcast to (B, H, L, S) and sharded like the batch axes. The kernel runs once on every device's
+    components together (stack and batch axes flattened into one batch), so a seed or an offset it returns is
+    one plain value, which its backward takes back."""
     if arg(call, "dropout_p", 0.0):
         raise unsupported(call, "attention dropout would not be layout-invariant; apply F.dropout to the attention "
                                 "weights instead")
-    mask = call.kwargs.get("attn_mask")
-    tensors = [s for s in call.specs if s is not mask]
+    if arg(call, "return_debug_mask", False) or any(arg(call, "grad_input_mask", (False,) * 4)[3:]):
+        raise unsupported(call, "the attention weights' debug mask and a mask's gradient are not supported")
+    names = [a.name for a in call.func._schema.arguments]
+    named = [(names[i], s) for i, s in enumerate(call.args) if isinstance(s, TensorSpec)]
+    named += [(n, s) for n, s in call.kwargs.items() if isinstance(s, TensorSpec)]
+    heads = [s for n, s in named if n in _PER_HEAD]
     batch = [None, None]
-    for s in tensors:
+    for s in heads:
         for i in (0, 1):
             if batch[i] is None and s.axes[i] not in batch:
                 batch[i] = s.axes[i]
     batch = tuple(batch)
-    required = [batch + (None,) * (s.rank - 2) for s in tensors]
-    q = call.specs[1] if call.func is aten._scaled_dot_product_flash_attention_for_cpu_backward.default else \
-        call.specs[0]
-    full = q.shape[:3] + (call.specs[2 if q is call.specs[1] else 1].shape[2],)  # (B, H, L, S)
-    if mask is not None:
-        lead = 4 - mask.rank
-        required.append(tuple(batch[j + lead] if j + lead < 2 and mask.shape[j] == full[j + lead] else None
-                              for j in range(mask.rank)))
-        mask_view = (call.num_local,) + (1,) * lead + call.local_shape(mask, required[-1])
-        mask_full = (call.num_local,) + call.local_shape(full, batch + (None, None))
-    n_out = len(call.func._schema.returns)
-    outputs = tuple(required[i] for i in range(n_out)) if n_out == 3 else (required[0], batch + (None,))
-    if n_out == 3:  # grads of query, key, value: the layouts of query, key, value
-        outputs = tuple(required[1:4])
+    query, key = arg(call, "query"), arg(call, "key")
+    full = query.shape[:3] + (key.shape[2],)  # (B, H, L, S)
+    required = []
+    for n, s in named:
+        if n in _PER_HEAD:
+            required.append(batch + (None,) * (s.rank - 2))
+        elif n in _MASKS:
+            lead = 4 - s.rank
+            required.append(tuple(batch[j + lead] if j + lead < 2 and s.shape[j] == full[j + lead] else None
+                                  for j in range(s.rank)))
+            mask_view = (call.num_local,) + (1,) * lead + call.local_shape(s, required[-1])
+            mask_full = (call.num_local,) + call.local_shape(full, batch + (None, None))
+        else:
+            required.append((None,) * s.rank)
+    lse_rank = _FUSED_ATTENTION[call.func]
+    if lse_rank is None:  # the gradients of query, key, value: their layouts
+        outputs = tuple(required[[n for n, _ in named].index(n)] for n in ("query", "key", "value"))
+        outputs += (None,) * (len(call.func._schema.returns) - 3)
+    else:  # without compute_log_sumexp (no gradient needed) the logsumexp is empty or undefined: left plain
+        lse = batch + (None,) * (lse_rank - 2) if arg(call, "compute_log_sumexp", True) else None
+        outputs = (batch + (None, None), lse) + (None,) * (len(call.func._schema.returns) - 2)
+    kinds = ["head" if n in _PER_HEAD else "mask" if n in _MASKS else "one" for n, _ in named]
+
+    def local(x, kind):
+        if kind == "head":  # (stack * B, H, ...): the kernels want 4-D operands
+            return x.flatten(0, 1)
+        return x.view(mask_view).expand(mask_full).flatten(0, 1) if kind == "mask" else x[0]
 
     def kernel(l, a, k):
         stack, b = l[0].shape[:2]
-        flat = [t.flatten(0, 1) for t in l[:len(tensors)]]  # (stack * B, H, ...): the op wants 4-D operands
-        kw = dict(k)
-        if mask is not None:
-            kw["attn_mask"] = l[-1].view(mask_view).expand(mask_full).flatten(0, 1)
-        outs = call.func(*flat, *a[len(tensors):], **kw)
-        return tuple(o.unflatten(0, (stack, b)) for o in outs)
+        args, kwargs = replace_tensors(a, k, [local(x, kind) for x, kind in zip(l, kinds)])
+        outs = call.func(*args, **kwargs)
+        return tuple(o if axes is None else o.unflatten(0, (stack, b)) for o, axes in zip(outs, outputs))
     return Decision(tuple(required), outputs, kernel, single=False)
 
 
