@@ -57,7 +57,7 @@ def make_config(shape: dict, vocab: int) -> GPTConfig:
                      n_head=shape["n_head"], d_model=shape["d_model"], dropout=0.0)
 
 
-def to_dt(model: GPT, n_layer: int) -> GPT:
+def to_dt(model: GPT, n_layer: int, device_type: str = "cpu") -> GPT:
     """torch DT tensor parallel: ColwiseParallel q/k/v/fc, RowwiseParallel proj/fc2 on a 1-D mesh of the world
     (size 1 here). Embeddings, layer norms and the LM head stay plain (replicated) tensors."""
     from torch.distributed.tensor import init_device_mesh
@@ -66,7 +66,7 @@ def to_dt(model: GPT, n_layer: int) -> GPT:
         RowwiseParallel,
         parallelize_module,
     )
-    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),), mesh_dim_names=("tp",))
+    mesh = init_device_mesh(device_type, (torch.distributed.get_world_size(),), mesh_dim_names=("tp",))
     plan = {}
     for i in range(n_layer):
         for name in ("attn.q", "attn.k", "attn.v", "mlp.fc"):

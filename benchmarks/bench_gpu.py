@@ -49,6 +49,7 @@ from benchmarks._common import (
     update_readme,
     write_results,
 )
+from benchmarks.bench_demo import to_dt
 
 STEM = "gpu"
 VARIANTS = ("plain", "compile", "compile_step", "dt", "spmd1", "spmd8", "fn1", "fn8")  # the default run, in order
@@ -86,21 +87,6 @@ def make_batches(cfg: dict, n: int) -> list:
     shape = (cfg["batch_size"], cfg["block_size"])
     return [(torch.randint(0, cfg["vocab_size"], shape, generator=g),
              torch.randint(0, cfg["vocab_size"], shape, generator=g)) for _ in range(n)]
-
-
-def to_dt(model, n_layer: int, device_type: str):
-    """torch DTensor tensor parallel as bench_demo's: ColwiseParallel q/k/v/fc, RowwiseParallel proj/fc2 on a 1-D
-    mesh of the world (size 1 here); embeddings, layer norms and the LM head stay plain tensors."""
-    from torch.distributed.tensor import init_device_mesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-    mesh = init_device_mesh(device_type, (torch.distributed.get_world_size(),), mesh_dim_names=("tp",))
-    plan = {}
-    for i in range(n_layer):
-        for name in ("attn.q", "attn.k", "attn.v", "mlp.fc"):
-            plan[f"blocks.{i}.{name}"] = ColwiseParallel()
-        for name in ("attn.proj", "mlp.fc2"):
-            plan[f"blocks.{i}.{name}"] = RowwiseParallel()
-    return parallelize_module(model, mesh, plan)
 
 
 def make_step(model, positions, opt):
