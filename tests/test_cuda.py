@@ -18,7 +18,7 @@ import spmd
 from spmd import UNSHARDED, Layout
 from spmd.demo.train import DemoArgs, run
 from spmd.explain import Recorder
-from sweep import Const, Plain, check_op, issued
+from sweep import Const, Plain, all_layouts, check_op, issued
 from test_ops_sweep import CASES
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -126,6 +126,18 @@ def test_sdpa_picks_the_backend_plain_torch_picks(dtype, grad, mesh):
     with Recorder() as explanation:
         F.scaled_dot_product_attention(*dist, is_causal=True)
     assert [r.op for r in explanation.ops if "attention" in r.op] == [want]
+
+
+def test_dropout_on_the_gpu_is_layout_invariant(mesh):
+    x = torch.ones(8, 4, 4, device=CUDA)
+    results = []
+    for layout in all_layouts(mesh, x.shape)[::3]:
+        torch.manual_seed(7)
+        out = F.dropout(spmd.copy_to_mesh(x, layout), p=0.5)
+        assert spmd.fetch_layout(out) == layout
+        results.append(spmd.to_global(out))
+    assert all(torch.equal(r, results[0]) for r in results[1:])
+    assert 0 < int((results[0] != 0).sum()) < x.numel()
 
 
 # -- optimizers, mixed precision ------------------------------------------------------------------------------------
