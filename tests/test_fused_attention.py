@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import spmd
 from spmd.errors import UnsupportedOpError
@@ -140,5 +142,20 @@ def test_batch_and_head_sharded_attention_runs_no_collective(make):
 
 def test_attention_dropout_is_refused_with_the_way_out():
     q = distribute(QKV[0], spmd.Layout(["x", "y", spmd.UNSHARDED, spmd.UNSHARDED], MESH))
-    with pytest.raises(UnsupportedOpError, match="F.dropout"):
+    with pytest.raises(UnsupportedOpError, match="SDPBackend.MATH"):
         aten._scaled_dot_product_efficient_attention(q, q, q, None, True, 0.1)
+
+
+def test_attention_dropout_under_the_math_kernel_is_layout_invariant():
+    """The way out the refusal names: the math kernel's dropout is spmd's, the same mask for every layout."""
+    x = rand(4, 4, 8, 8)
+    outs = []
+    u = spmd.UNSHARDED
+    for specs in (["x", "y", u, u], [u] * 4, ["y", u, "x", u]):
+        q = distribute(x, spmd.Layout(specs, MESH))
+        torch.manual_seed(0)
+        with sdpa_kernel(SDPBackend.MATH):
+            outs.append(spmd.to_global(F.scaled_dot_product_attention(q, q, q, dropout_p=0.5)))
+    for out in outs[1:]:
+        torch.testing.assert_close(out, outs[0])
+    assert not torch.allclose(outs[0], F.scaled_dot_product_attention(x, x, x))  # dropout took place

@@ -217,6 +217,16 @@ _PER_HEAD = {"query", "key", "value", "grad_out", "grad_out_", "out", "logsumexp
 _MASKS = {"attn_mask", "attn_bias"}  # broadcast to (B, H, L, S); anything else (a seed, an offset) is one value
 
 
+def _batch_and_heads(specs) -> tuple:
+    """The mesh dims of the batch and head axes: each operand's, merged (the first operand that shards one wins)."""
+    batch = [None, None]
+    for s in specs:
+        for i in (0, 1):
+            if batch[i] is None and s.axes[i] not in batch:
+                batch[i] = s.axes[i]
+    return tuple(batch)
+
+
 @register(*_FUSED_ATTENTION)
 def attention_rule(call: OpCall) -> Decision:
     """Attention (B, H, L|S, E) and its backward: each (batch, head) is independent, so those axes keep their
@@ -225,20 +235,15 @@ def attention_rule(call: OpCall) -> Decision:
     components together (stack and batch axes flattened into one batch), so a seed or an offset it returns is
     one plain value, which its backward takes back."""
     if arg(call, "dropout_p", 0.0):
-        raise unsupported(call, "attention dropout would not be layout-invariant; apply F.dropout to the attention "
-                                "weights instead")
+        raise unsupported(call, "a fused kernel's attention dropout would not be layout-invariant; run attention "
+                                "with dropout under torch.nn.attention.sdpa_kernel(SDPBackend.MATH), whose "
+                                "dropout is")
     if arg(call, "return_debug_mask", False) or any(arg(call, "grad_input_mask", (False,) * 4)[3:]):
         raise unsupported(call, "the attention weights' debug mask and a mask's gradient are not supported")
     names = [a.name for a in call.func._schema.arguments]
     named = [(names[i], s) for i, s in enumerate(call.args) if isinstance(s, TensorSpec)]
     named += [(n, s) for n, s in call.kwargs.items() if isinstance(s, TensorSpec)]
-    heads = [s for n, s in named if n in _PER_HEAD]
-    batch = [None, None]
-    for s in heads:
-        for i in (0, 1):
-            if batch[i] is None and s.axes[i] not in batch:
-                batch[i] = s.axes[i]
-    batch = tuple(batch)
+    batch = _batch_and_heads([s for n, s in named if n in _PER_HEAD])
     query, key = arg(call, "query"), arg(call, "key")
     full = query.shape[:3] + (key.shape[2],)  # (B, H, L, S)
     required = []
@@ -246,7 +251,7 @@ def attention_rule(call: OpCall) -> Decision:
         if n in _PER_HEAD:
             required.append(batch + (None,) * (s.rank - 2))
         elif n in _MASKS:
-            lead = 4 - s.rank
+            lead = 4 - s.rank  # the mask's axes line up with the last of (B, H, L, S); sized-1 ones broadcast
             required.append(tuple(batch[j + lead] if j + lead < 2 and s.shape[j] == full[j + lead] else None
                                   for j in range(s.rank)))
             mask_view = (call.num_local,) + (1,) * lead + call.local_shape(s, required[-1])
