@@ -36,7 +36,10 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
+from torch.optim.optimizer import _default_to_fused_or_foreach
+from torch.profiler import ProfilerActivity
 
+import spmd
 from benchmarks._common import (
     RESULTS,
     ROOT,
@@ -50,6 +53,8 @@ from benchmarks._common import (
     write_results,
 )
 from benchmarks.bench_demo import to_dt
+from spmd import UNSHARDED, Layout
+from spmd.demo.model import GPT, GPTConfig, megatron_layouts
 
 STEM = "gpu"
 VARIANTS = ("plain", "compile", "compile_step", "dt", "spmd1", "spmd8", "fn1", "fn8")  # the default run, in order
@@ -76,7 +81,6 @@ UNCHECKED = re.compile(r"attn\.k\.bias$")
 
 # -- one variant (runs in the child process) ---------------------------------------------------------------------
 def gpt_config(cfg: dict):
-    from spmd.demo.model import GPTConfig
     return GPTConfig(vocab_size=cfg["vocab_size"], block_size=cfg["block_size"], n_layer=cfg["n_layer"],
                      n_head=cfg["n_head"], d_model=cfg["d_model"], dropout=0.0)
 
@@ -103,9 +107,6 @@ def make_step(model, positions, opt):
 def spmd_model(model, n_devices: int, device: str):
     """distribute_module onto a mesh of `n_devices` (virtual devices beyond the GPU count share the GPU), Megatron
     layouts on 8 devices; returns (positions, the function that puts a batch tensor onto the data layout)."""
-    import spmd
-    from spmd import UNSHARDED, Layout
-    from spmd.demo.model import megatron_layouts
     kind = "GPU" if device == "cuda" else "CPU"
     mesh = spmd.create_mesh(MESHES[n_devices], devices=[f"{kind}:{i}" for i in range(n_devices)], device_type=kind)
     spmd.distribute_module(model, mesh, spmd.LayoutMap(megatron_layouts("model" if n_devices > 1 else None)))
@@ -117,7 +118,6 @@ def spmd_model(model, n_devices: int, device: str):
 def build(name: str, cfg: dict):
     """(step, put, model) of variant `name`: the GPT built with torch.manual_seed(0) (the same weights in every
     process), converted to the run's dtype before it is moved or distributed."""
-    from spmd.demo.model import GPT
     device = cfg["device"]
     torch.manual_seed(0)
     model = GPT(gpt_config(cfg)).to(getattr(torch, cfg["dtype"]))
@@ -139,14 +139,12 @@ def build(name: str, cfg: dict):
     if name == "compile_step":  # the scope spmd.function compiles: forward, backward and the optimizer step
         step = torch.compile(step)
     if name.startswith("fn"):
-        import spmd
         step = spmd.function(step, fullgraph=False, backend="aot_eager" if name == "fn8aot" else "inductor")
     return step, put, model, opt
 
 
 def global_value(t) -> torch.Tensor:
     """The global value of an spmd DTensor, a torch DTensor or a tensor, as a plain tensor."""
-    import spmd
     if spmd.is_dtensor(t):
         return spmd.to_global(t)
     if hasattr(t, "full_tensor"):  # a torch DTensor
@@ -191,7 +189,6 @@ def vm_hwm_bytes() -> int:
 def optimizer_path(opt) -> str:
     """Which AdamW implementation torch's defaults chose for these parameters (foreach on CUDA when it can)."""
     try:
-        from torch.optim.optimizer import _default_to_fused_or_foreach
         params = [p for g in opt.param_groups for p in g["params"]]
         fused, foreach = _default_to_fused_or_foreach(params, False, False)
         return "fused" if fused else "foreach" if foreach else "for-loop"
@@ -252,7 +249,6 @@ def train(name: str, cfg: dict, res: dict) -> None:
 def profile(step, batch, name: str, steps: int = 3) -> float:
     """GPU kernel time per step under torch.profiler (a step far longer than it is CPU-bound: the GPU waits for
     Python); the busiest ops go to stderr (the variant's log)."""
-    from torch.profiler import ProfilerActivity
     with torch.profiler.profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             step(*batch)
