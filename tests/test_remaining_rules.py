@@ -308,3 +308,14 @@ def test_comparisons_of_every_layout_pair_and_their_one_all_reduce(compare):
                 assert reduced == ([("all_reduce", spread)] if spread else []), (la, lb, collectives)
     assert compare(spmd.copy_to_mesh(a, Layout(["x", U], MESH)), spmd.copy_to_mesh(a[0], Layout([U], MESH))) == \
         compare(a, a[0])
+
+
+def test_leaky_relu_is_pointwise_on_torch_versions_that_do_not_tag_it():
+    """torch 2.11 lacks leaky_relu's `pointwise` tag (2.13 has it): it and its gradient still take the pointwise
+    rule, so a sharded input stays sharded and no collective runs (a fallback would gather it)."""
+    layout = Layout(["x", "y"], MESH)
+    x = spmd.copy_to_mesh(rand(4, 4), layout).requires_grad_()
+    y, forward = issued(lambda: F.leaky_relu(x, 0.1))
+    _, backward = issued(lambda: y.backward(spmd.copy_to_mesh(torch.ones(4, 4, dtype=torch.float64), layout)))
+    assert forward == backward == []
+    assert spmd.fetch_layout(y) == spmd.fetch_layout(x.grad) == layout
