@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import platform
+import resource
 import socket
 import statistics
 import subprocess
@@ -136,6 +137,24 @@ def md_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
     return "\n".join(lines)
+
+
+def status_kib(field: str) -> int | None:
+    """VmRSS / VmHWM (peak RSS) of this process from /proc (Linux), in KiB."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def peak_rss_kib() -> int:
+    """Peak resident memory of this process, in KiB. VmHWM, not getrusage's ru_maxrss (only where there is no
+    /proc): ru_maxrss survives execve, so a child forked from a big parent reports the parent's peak."""
+    return status_kib("VmHWM") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
 def environment() -> str:

@@ -15,7 +15,6 @@ import contextlib
 import copy
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -34,7 +33,9 @@ from benchmarks._common import (
     fmt,
     md_table,
     output_arguments,
+    peak_rss_kib,
     ratio,
+    status_kib,
     torch_dist_ws1,
     update_readme,
     write_results,
@@ -187,18 +188,6 @@ def rss_child(variant: str, shape: dict, steps: int) -> dict:
     return json.loads(line[-1][4:])
 
 
-def _status_kib(field: str) -> int | None:
-    """VmRSS / VmHWM (peak RSS) of this process from /proc (Linux), in KiB."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return None
-
-
 def _rss_main(variant: str, shape: dict, steps: int) -> None:
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
@@ -209,12 +198,10 @@ def _rss_main(variant: str, shape: dict, steps: int) -> None:
     with ctx:
         v = Variant(variant, reference, shape)
         del reference
-        before = _status_kib("VmRSS")
+        before = status_kib("VmRSS")
         for x, y in batches(data, steps, shape["batch_size"], shape["block_size"], 0):
             v.step(x, y)
-        # VmHWM, not getrusage's ru_maxrss: ru_maxrss survives execve, so a child forked from a big parent
-        # reports the parent's peak
-        peak = _status_kib("VmHWM") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        peak = peak_rss_kib()
     print("RSS " + json.dumps({"peak_kib": peak, "before_steps_kib": before}))
 
 

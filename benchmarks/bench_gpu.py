@@ -21,7 +21,6 @@ import contextlib
 import json
 import os
 import re
-import resource
 import signal
 import statistics
 import subprocess
@@ -47,6 +46,7 @@ from benchmarks._common import (
     fmt,
     md_table,
     output_arguments,
+    peak_rss_kib,
     ratio,
     torch_dist_ws1,
     update_readme,
@@ -174,18 +174,6 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def vm_hwm_bytes() -> int:
-    """Peak resident memory of this process: VmHWM from /proc (getrusage's ru_maxrss where there is no /proc)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
 def optimizer_path(opt) -> str:
     """Which AdamW implementation torch's defaults chose for these parameters (foreach on CUDA when it can)."""
     try:
@@ -236,7 +224,7 @@ def train(name: str, cfg: dict, res: dict) -> None:
         res["peak_bytes"] = torch.cuda.max_memory_allocated()
         res["peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
     else:
-        res["peak_bytes"] = vm_hwm_bytes()  # the whole process, warm-up included: VmHWM cannot be reset
+        res["peak_bytes"] = peak_rss_kib() * 1024  # the whole process, warm-up included: VmHWM cannot be reset
     if hasattr(step, "experimental_get_tracing_count"):
         res["traces"] = step.experimental_get_tracing_count()
     if cfg.get("scratch"):
@@ -297,8 +285,7 @@ def child_main(name: str, cfg: dict) -> int:
 def child_env(device: str, cache: str | None) -> dict:
     """The child's environment: this repository importable; one visible GPU (spmd maps GPU:i to cuda:i mod the GPU
     count, and a mesh's components must all live on one torch device); an empty inductor cache of its own, so that
-    the first step is a cold compile and no graph cached by another run is reused (AOTAutograd's cache can hand a
-    graph traced for float32 spmd DTensors to a bfloat16 run: see benchmarks/README.md)."""
+    the first step is a cold compile."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
     if cache:
