@@ -237,7 +237,7 @@ def attention_rule(call: OpCall) -> Decision:
     if arg(call, "dropout_p", 0.0):
         raise unsupported(call, "a fused kernel's attention dropout would not be layout-invariant; run attention "
                                 "with dropout under torch.nn.attention.sdpa_kernel(SDPBackend.MATH), whose "
-                                "dropout is")
+                                "dropout is layout-invariant")
     if arg(call, "return_debug_mask", False) or any(arg(call, "grad_input_mask", (False,) * 4)[3:]):
         raise unsupported(call, "the attention weights' debug mask and a mask's gradient are not supported")
     names = [a.name for a in call.func._schema.arguments]
@@ -260,7 +260,8 @@ def attention_rule(call: OpCall) -> Decision:
             required.append((None,) * s.rank)
     lse_rank = _FUSED_ATTENTION[call.func]
     if lse_rank is None:  # the gradients of query, key, value: their layouts
-        outputs = tuple(required[[n for n, _ in named].index(n)] for n in ("query", "key", "value"))
+        by_name = dict(zip((n for n, _ in named), required))
+        outputs = tuple(by_name[n] for n in ("query", "key", "value"))
         outputs += (None,) * (len(call.func._schema.returns) - 3)
     else:  # without compute_log_sumexp (no gradient needed) the logsumexp is empty or undefined: left plain
         lse = batch + (None,) * (lse_rank - 2) if arg(call, "compute_log_sumexp", True) else None
