@@ -3,7 +3,6 @@ function mode on virtual devices sharing one GPU. Skipped without a GPU (the CPU
 
 from __future__ import annotations
 
-import copy
 import subprocess
 import sys
 
@@ -50,7 +49,7 @@ def test_a_gpu_mesh_holds_its_components_on_the_gpu(mesh):
 
 
 # -- the layout sweeps of tests/test_ops_sweep.py, on the GPU --------------------------------------------------------
-def _on_gpu(value, mesh):
+def _on_gpu(value):
     if isinstance(value, torch.Tensor):
         return value.to(CUDA)
     if isinstance(value, (Const, Plain)):
@@ -61,7 +60,7 @@ def _on_gpu(value, mesh):
 @pytest.mark.parametrize("case", [pytest.param(v, id=k) for k, v in CASES.items() if not hasattr(v, "marks")])
 def test_op_sweep_on_the_gpu(case, mesh):
     fn, inputs, *layouts = case
-    inputs = [_on_gpu(x, mesh) for x in inputs]
+    inputs = [_on_gpu(x) for x in inputs]
     if layouts:
         layouts = [[Layout(layout.sharding_specs, mesh) for layout in sweep] for sweep in layouts[0]]
     assert check_op(fn, inputs, mesh=mesh, layouts=layouts or None, sample=6) >= 1
@@ -222,9 +221,6 @@ def test_demo_trains_on_the_gpu_with_the_cpu_loss_curve():
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_a_compiled_training_step_matches_eager_on_the_gpu(backend, mesh):
     plain, dist, _, put = _pair(mesh)
-    opt = torch.optim.AdamW(dist.parameters(), lr=0.01)
-    eager_model = copy.deepcopy(plain)
-    eager_opt = torch.optim.AdamW(eager_model.parameters(), lr=0.01)
 
     def stepper(model, opt):
         def step(x, y):
@@ -235,8 +231,9 @@ def test_a_compiled_training_step_matches_eager_on_the_gpu(backend, mesh):
             return loss
         return step
 
-    compiled = spmd.function(stepper(dist, opt), backend=backend, fullgraph=False)
-    eager = stepper(eager_model, eager_opt)
+    compiled = spmd.function(stepper(dist, torch.optim.AdamW(dist.parameters(), lr=0.01)), backend=backend,
+                             fullgraph=False)
+    eager = stepper(plain, torch.optim.AdamW(plain.parameters(), lr=0.01))
     torch.manual_seed(1)
     for _ in range(3):
         x, y = torch.randn(8, 32, device=CUDA), torch.randn(8, 16, device=CUDA)
