@@ -539,7 +539,7 @@ def rows(data: dict) -> list[list[str]]:
         loss = "–" if d is None else f"{d:.1e}" + (" (diverges)" if r.get("loss_diverged") else "")
         cos = "–" if c is None else f"{c:.3f}" + (" (diverges)" if r.get("update_diverged") else "")
         out.append([LABELS[name], fmt(r.get("median_ms")), fmt(r.get("tokens_per_s"), 0),
-                    "1.00×" if name == "plain" and plain else ratio(r.get("tokens_per_s"), plain),
+                    ratio(r.get("tokens_per_s"), plain),
                     ratio(r.get("tokens_per_s"), compiled), fmt(r.get("gpu_busy_ms")),
                     fmt(mem, 2 if cuda else 0), fmt(r.get("first_step_s")), loss, cos, _cell(r.get("error", ""))])
     return out
