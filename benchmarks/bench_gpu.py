@@ -35,6 +35,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
+from torch._dynamo.utils import counters
 from torch.optim.optimizer import _default_to_fused_or_foreach
 from torch.profiler import ProfilerActivity
 
@@ -57,14 +58,19 @@ from spmd import UNSHARDED, Layout
 from spmd.demo.model import GPT, GPTConfig, megatron_layouts
 
 STEM = "gpu"
-VARIANTS = ("plain", "compile", "compile_step", "dt", "spmd1", "spmd8", "fn1", "fn8")  # the default run, in order
+# the default run, in order; "_cg": the compiled step with CUDA graphs (torch.compile's mode="reduce-overhead")
+VARIANTS = ("plain", "compile", "compile_step", "dt", "spmd1", "spmd8", "fn1", "fn8", "compile_step_cg", "fn1_cg",
+            "fn8_cg")
 EXTRA = ("fn8aot",)  # on request (--variants): fn8 with the aot_eager backend, spmd demo's choice for 8 devices
 LABELS = {"plain": "plain torch (eager)", "compile": "plain `torch.compile(model)`",
           "compile_step": "plain `torch.compile` of the step (as `spmd.function`)",
           "dt": "torch DTensor TP, world size 1", "spmd1": "spmd eager, 1-device mesh",
           "spmd8": "spmd eager, 8 virtual devices (batch 4 × model 2)", "fn1": "`spmd.function` step, 1-device mesh",
-          "fn8": "`spmd.function` step, 8 virtual devices", "fn8aot": "`spmd.function` (aot_eager), 8 virtual devices"}
-COMPILED = {"compile", "compile_step", "fn1", "fn8", "fn8aot"}  # compiled on the first step: run last
+          "fn8": "`spmd.function` step, 8 virtual devices", "fn8aot": "`spmd.function` (aot_eager), 8 virtual devices",
+          "compile_step_cg": "plain `torch.compile` of the step, CUDA graphs",
+          "fn1_cg": "`spmd.function` step, 1-device mesh, CUDA graphs",
+          "fn8_cg": "`spmd.function` step, 8 virtual devices, CUDA graphs"}
+COMPILED = {"compile", "compile_step", "fn1", "fn8", "fn8aot", "compile_step_cg", "fn1_cg", "fn8_cg"}  # run last
 FULL = dict(vocab_size=32768, block_size=512, n_layer=8, n_head=16, d_model=1024, batch_size=16)
 QUICK = dict(vocab_size=96, block_size=16, n_layer=1, n_head=2, d_model=16, batch_size=8)  # batch divisible by 4
 MESHES = {1: [("batch", 1)], 8: [("batch", 4), ("model", 2)]}
@@ -119,6 +125,8 @@ def build(name: str, cfg: dict):
     """(step, put, model) of variant `name`: the GPT built with torch.manual_seed(0) (the same weights in every
     process), converted to the run's dtype before it is moved or distributed."""
     device = cfg["device"]
+    mode = "reduce-overhead" if name.endswith("_cg") else None  # CUDA graphs
+    name = name.removesuffix("_cg")
     torch.manual_seed(0)
     model = GPT(gpt_config(cfg)).to(getattr(torch, cfg["dtype"]))
     forward = model
@@ -137,9 +145,9 @@ def build(name: str, cfg: dict):
     opt = torch.optim.AdamW(model.parameters(), lr=LR, **({"foreach": False} if name == "dt" else {}))
     step = make_step(forward, positions, opt)
     if name == "compile_step":  # the scope spmd.function compiles: forward, backward and the optimizer step
-        step = torch.compile(step)
+        step = torch.compile(step, mode=mode)
     if name.startswith("fn"):
-        step = spmd.function(step, fullgraph=False, backend="aot_eager" if name == "fn8aot" else "inductor")
+        step = spmd.function(step, fullgraph=False, backend="aot_eager" if name == "fn8aot" else "inductor", mode=mode)
     return step, put, model, opt
 
 
@@ -222,11 +230,16 @@ def train(name: str, cfg: dict, res: dict) -> None:
     res["tokens_per_s"] = cfg["batch_size"] * cfg["block_size"] / (res["median_ms"] / 1e3)
     if device == "cuda":
         res["peak_bytes"] = torch.cuda.max_memory_allocated()
+        if name.endswith("_cg"):  # a graph's replay allocates nothing: its memory was allocated as it was recorded
+            res["peak_bytes"] = max(res["peak_bytes"], res["peak_warmup_bytes"])
         res["peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
     else:
         res["peak_bytes"] = peak_rss_kib() * 1024  # the whole process, warm-up included: VmHWM cannot be reset
     if hasattr(step, "experimental_get_tracing_count"):
         res["traces"] = step.experimental_get_tracing_count()
+    if name.endswith("_cg"):  # graphs that could not be CUDA graphs, and inputs copied into a graph at each replay
+        res["cudagraph_skips"] = counters["inductor"]["cudagraph_skips"]
+        res["cudagraph_copied_inputs"] = counters["inductor"]["cudagraph_recorded_non_static_inputs"]
     if cfg.get("scratch"):
         after = sample_parameters(model)
         torch.save({k: after[k] - before[k] for k in before}, os.path.join(cfg["scratch"], f"{name}.pt"))
@@ -529,7 +542,6 @@ def caption(data: dict) -> str:
 def rows(data: dict) -> list[list[str]]:
     V, cuda = data["variants"], data["device"] == "cuda"
     plain = V.get("plain", {}).get("tokens_per_s")
-    compiled = V.get("compile_step", {}).get("tokens_per_s")
     out = []
     for name in [n for n in VARIANTS + EXTRA if n in V]:
         r = V[name]
@@ -540,15 +552,21 @@ def rows(data: dict) -> list[list[str]]:
         cos = "–" if c is None else f"{c:.3f}" + (" (diverges)" if r.get("update_diverged") else "")
         out.append([LABELS[name], fmt(r.get("median_ms")), fmt(r.get("tokens_per_s"), 0),
                     ratio(r.get("tokens_per_s"), plain),
-                    ratio(r.get("tokens_per_s"), compiled), fmt(r.get("gpu_busy_ms")),
+                    ratio(r.get("tokens_per_s"), V.get(same_mode_step(name), {}).get("tokens_per_s")),
+                    fmt(r.get("gpu_busy_ms")),
                     fmt(mem, 2 if cuda else 0), fmt(r.get("first_step_s")), loss, cos, _cell(r.get("error", ""))])
     return out
+
+
+def same_mode_step(name: str) -> str:
+    """The plain compiled step a variant is compared with: the one with CUDA graphs where it has them."""
+    return "compile_step_cg" if name.endswith("_cg") else "compile_step"
 
 
 def readme_table(data: dict) -> str:
     """README.md's table from gpu.json: one row per variant."""
     unit = "GiB" if data["device"] == "cuda" else "MiB (process RSS)"
-    header = ["GPT training step", "ms/step", "tokens/s", "vs plain torch", "vs compiled step",
+    header = ["GPT training step", "ms/step", "tokens/s", "vs plain torch", "vs compiled step (same mode)",
               "GPU kernels ms/step", f"peak memory {unit}",
               "first step s", "max rel. Δloss vs plain", "update cos vs plain", "error"]
     return caption(data) + "\n\n" + md_table(header, rows(data))
@@ -562,9 +580,12 @@ def report(data: dict) -> str:
     if data.get("quick"):
         lines += ["QUICK smoke run: numbers are noise.", ""]
     lines += ["Peak memory: `torch.cuda.max_memory_allocated()` over the timed steps (peak statistics reset after the "
-              "warm-up); on CPU the process's peak RSS (VmHWM). First step: its wall time, compilation included. "
-              "Loss difference: the largest relative difference from plain torch's loss over all steps (bf16 losses "
-              "near 10 are rounded to 2⁻⁴, ≈0.6 %; more than "
+              "warm-up; with CUDA graphs the larger of that and the warm-up's peak, since a graph's replay allocates "
+              "nothing: its memory was allocated as it was recorded); on CPU the process's peak RSS (VmHWM). \"Vs "
+              "compiled step (same mode)\": against plain torch.compile of the step, with CUDA graphs for the "
+              "CUDA-graph variants. First step: its wall time, compilation included. Loss difference: the largest "
+              "relative difference from plain torch's loss over all steps (bf16 losses near 10 are rounded to 2⁻⁴, "
+              "≈0.6 %; more than "
               f"{DIVERGED.get(data['config']['dtype'], 1e-4):g} is marked as diverging). Update cosine: the "
               f"smallest, over parameters, cosine between the change the steps made to {SAMPLE} fixed elements of "
               "the parameter and plain torch's change (the losses barely move in so few steps, so a wrong optimizer "
@@ -572,7 +593,8 @@ def report(data: dict) -> str:
               "biases (zero gradient in exact arithmetic: their update is rounding noise) and parameters only one "
               "of the two runs changed (bf16 rounds small updates away; listed below).", ""]
     for name, r in data["variants"].items():
-        extra = [f"{k} {r[k]}" for k in ("optimizer", "traces", "min_update_cosine_parameter") if k in r]
+        extra = [f"{k} {r[k]}" for k in ("optimizer", "traces", "cudagraph_skips", "cudagraph_copied_inputs",
+                                          "min_update_cosine_parameter") if k in r]
         if r.get("update_changed_in_one_run_only"):
             extra.append(f"changed in one run only: {', '.join(r['update_changed_in_one_run_only'])}")
         extra += [f"{k} {r[k]:.1f} s" for k in ("build_s", "wall_s") if k in r]

@@ -24,6 +24,8 @@ from spmd.tracing import prepare_dynamo
 # The rule engine (a floor above) executes ops: it installs itself with `install_engine` when imported.
 _engine = None
 _FUNCTIONAL = torch._C._TorchDispatchModeKey.FUNCTIONAL
+_INNER = ["_stack"]  # the one inner tensor of a flattened DTensor (torch.compile's subclass protocol)
+_DYNAMO_PREPARED = False  # whether a DTensor was flattened since spmd prepared Dynamo (spmd/tracing.py)
 
 
 def install_engine(engine) -> None:
@@ -107,8 +109,18 @@ class DTensor(torch.Tensor):
     # components' strides as static metadata (guarded on: a compiled graph assumes both), so a compiled graph holds
     # plain kernels over the components and the collectives. A pending reduction never crosses a graph boundary:
     # it is resolved here.
+    # Compiled code's guards flatten every DTensor argument on every call (twice): the common case is kept short.
     def __tensor_flatten__(self):
+        stack = self._stack
+        if self._pending or (stack.stride(0) == 0 and stack.shape[0] > 1) or not _DYNAMO_PREPARED:
+            stack = self._prepare_for_graph()
+        return _INNER, (self._layout, stack.stride())
+
+    def _prepare_for_graph(self) -> torch.Tensor:
+        """Resolves the pending reduction and gives each device its own memory (a compiled graph may write it)."""
+        global _DYNAMO_PREPARED
         prepare_dynamo()  # (already done when torch.compile imported Dynamo, unless its loader was unusual)
+        _DYNAMO_PREPARED = True
         if self._pending:
             if isinstance(self._stack, FunctionalTensor) and torch._C._get_dispatch_mode(_FUNCTIONAL) is None:
                 # AOTAutograd unwraps a traced function's outputs after leaving its functionalisation mode
@@ -116,9 +128,9 @@ class DTensor(torch.Tensor):
                     _engine.resolve(self)
             else:
                 _engine.resolve(self)
-        if shared(self._stack):  # a compiled graph may write it: each device takes its own memory
+        if shared(self._stack):
             self._stack = self._stack.contiguous()
-        return ["_stack"], (self._layout, self._stack.stride())
+        return self._stack
 
     @classmethod
     def __tensor_unflatten__(cls, inner, meta, outer_size, outer_stride):

@@ -23,6 +23,7 @@ import sys
 import types
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from spmd.layout import Layout
 from spmd.mesh import Mesh
@@ -47,6 +48,7 @@ def prepare_dynamo() -> None:
     _register_constant_types()
     torch.compiler.allow_in_graph(call_born_with_layout)
     _skip_spmd_frames()
+    _check_subclass_grads_by_their_inner_tensors()
     tag = f"spmd-{source_digest()}"
     if tag not in torch.compiler.config.cache_key_tag:
         torch.compiler.config.cache_key_tag += tag
@@ -99,6 +101,27 @@ def _register_constant_types() -> None:
             SourcelessBuilder._type_handlers[cls] = lambda tx, value: UserDefinedObjectVariable(value)
     except (ImportError, AttributeError):
         pass
+
+
+def _check_subclass_grads_by_their_inner_tensors() -> None:
+    """Under CUDA graphs (mode="reduce-overhead") Dynamo asks, for a compiled optimizer step, whether each gradient
+    lives in CUDA-graph memory by reading its storage's address, which a wrapper subclass (a DTensor) does not have:
+    it raised. A wrapper's gradient is asked about its inner tensors instead (the answer only decides a hint)."""
+    try:  # a private function of torch; without it CUDA graphs stay unusable for a DTensor optimizer step
+        from torch._dynamo.variables import optimizer
+        is_static = optimizer._is_static_for_cudagraphs
+    except (ImportError, AttributeError):
+        return
+    if getattr(is_static, "_spmd", False):
+        return
+
+    def is_static_by_inner_tensors(x):
+        if is_traceable_wrapper_subclass(x):
+            return all(is_static_by_inner_tensors(getattr(x, name)) for name in x.__tensor_flatten__()[0])
+        return is_static(x)
+
+    is_static_by_inner_tensors._spmd = True
+    optimizer._is_static_for_cudagraphs = is_static_by_inner_tensors
 
 
 def _skip_spmd_frames() -> None:

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from rich.console import Console
+from torch._dynamo.utils import counters
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.optim import optimizer
 
@@ -218,8 +219,9 @@ def test_demo_trains_on_the_gpu_with_the_cpu_loss_curve():
     assert gpu["losses"] == pytest.approx(cpu["losses"], rel=1e-4)
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_a_compiled_training_step_matches_eager_on_the_gpu(backend, mesh):
+@pytest.mark.parametrize("backend, mode", [("aot_eager", None), ("inductor", None), ("inductor", "reduce-overhead")])
+def test_a_compiled_training_step_matches_eager_on_the_gpu(backend, mode, mesh):
+    """mode="reduce-overhead": the forward, backward and optimizer graphs run as CUDA graphs, none skipped."""
     plain, dist, _, put = _pair(mesh)
 
     def stepper(model, opt):
@@ -232,13 +234,15 @@ def test_a_compiled_training_step_matches_eager_on_the_gpu(backend, mesh):
         return step
 
     compiled = spmd.function(stepper(dist, torch.optim.AdamW(dist.parameters(), lr=0.01)), backend=backend,
-                             fullgraph=False)
+                             mode=mode, fullgraph=False)
     eager = stepper(plain, torch.optim.AdamW(plain.parameters(), lr=0.01))
+    skips = counters["inductor"]["cudagraph_skips"]
     torch.manual_seed(1)
-    for _ in range(3):
+    for _ in range(5):  # CUDA graphs: warm-up, recording, then replays
         x, y = torch.randn(8, 32, device=CUDA), torch.randn(8, 16, device=CUDA)
         got, want = compiled(put(x), put(y)), eager(x, y)
         assert got.item() == pytest.approx(want.item(), rel=1e-4)
+    assert counters["inductor"]["cudagraph_skips"] == skips
 
 
 def test_compiled_attention_runs_the_fused_kernel_with_no_collective(mesh):

@@ -15,9 +15,10 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._dynamo.variables import optimizer
 
 import spmd
-from spmd import UNSHARDED, Layout
+from spmd import UNSHARDED, Layout, tracing
 from sweep import all_layouts, components, gather
 
 U = UNSHARDED
@@ -279,6 +280,32 @@ def test_the_compile_cache_key_of_a_dtensor_names_what_a_graph_was_traced_for(me
               spmd.relayout(x, Layout(["y", UNSHARDED], mesh22)), x.detach().requires_grad_()]
     assert len({key(t) for t in [x] + others}) == 5
     assert key(x) == key(spmd.copy_to_mesh(torch.zeros(4, 4), Layout(["x", UNSHARDED], mesh22)))
+
+
+def test_the_cuda_graph_check_of_an_optimizer_step_asks_a_dtensors_components(mesh22, monkeypatch):
+    """Under CUDA graphs Dynamo asks whether each gradient lives in CUDA-graph memory; a DTensor's answer is its
+    stacked components' (asking the DTensor itself reads a storage it does not have: tests/test_cuda.py runs it)."""
+    asked = []
+    monkeypatch.setattr(optimizer, "_is_static_for_cudagraphs", lambda t: asked.append(t) or True)
+    tracing._check_subclass_grads_by_their_inner_tensors()
+    grad = spmd.copy_to_mesh(torch.ones(4, 4), Layout(["x", UNSHARDED], mesh22))
+    assert optimizer._is_static_for_cudagraphs(grad) and asked == [grad._stack]
+    assert optimizer._is_static_for_cudagraphs(torch.ones(2)) and len(asked) == 2
+
+
+def test_flattening_a_dtensor_for_a_graph_gives_each_device_its_own_memory(mesh22):
+    """Guards flatten DTensor arguments at every call: a shared replicated stack (stride 0) and a pending sum are
+    settled there too, before a graph may write the components."""
+    shared = spmd.copy_to_mesh(torch.ones(4), Layout.replicated(mesh22, 1))
+    assert shared._stack.stride(0) == 0
+    names, (layout, strides) = shared.__tensor_flatten__()
+    assert names == ["_stack"] and layout == shared._layout and strides == shared._stack.stride() == (4, 1)
+    a = spmd.copy_to_mesh(torch.ones(4, 8), Layout([UNSHARDED, "x"], mesh22))
+    b = spmd.copy_to_mesh(torch.ones(8, 4), Layout(["x", UNSHARDED], mesh22))
+    pending = a @ b
+    assert pending._pending
+    pending.__tensor_flatten__()
+    assert not pending._pending and torch.equal(spmd.to_global(pending), torch.full((4, 4), 8.0))
 
 
 def test_factories_inside_a_function_raise_spmds_errors(mesh22):
