@@ -24,7 +24,6 @@ from spmd.tracing import prepare_dynamo
 # The rule engine (a floor above) executes ops: it installs itself with `install_engine` when imported.
 _engine = None
 _FUNCTIONAL = torch._C._TorchDispatchModeKey.FUNCTIONAL
-_INNER = ["_stack"]  # the one inner tensor of a flattened DTensor (torch.compile's subclass protocol)
 _DYNAMO_PREPARED = False  # whether a DTensor was flattened since spmd prepared Dynamo (spmd/tracing.py)
 
 
@@ -114,7 +113,7 @@ class DTensor(torch.Tensor):
         stack = self._stack
         if self._pending or (stack.stride(0) == 0 and stack.shape[0] > 1) or not _DYNAMO_PREPARED:
             stack = self._prepare_for_graph()
-        return _INNER, (self._layout, stack.stride())
+        return ["_stack"], (self._layout, stack.stride())
 
     def _prepare_for_graph(self) -> torch.Tensor:
         """Resolves the pending reduction and gives each device its own memory (a compiled graph may write it)."""
