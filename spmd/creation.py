@@ -7,12 +7,13 @@ for torch's factories (`torch.ones`, `torch.rand`, ...) and for spmd's functions
 from __future__ import annotations
 
 import inspect
+import sys
 from typing import Any, Callable, Sequence
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-from spmd import random as srandom
+from spmd import api, random as srandom
 from spmd.api import relayout
 from spmd.dtensor import DTensor, make
 from spmd.errors import LayoutError
@@ -195,7 +196,7 @@ def call_with_layout(fn: Callable[..., Any], layout: Layout | None, *args, **kwa
         raise TypeError(f"call_with_layout expects a Layout, got {type(layout).__name__}")
     if fn in TORCH_FACTORIES:
         return TORCH_FACTORIES[fn](*args, layout=layout, **kwargs)
-    if getattr(fn, "__module__", "").startswith("spmd") and _takes_layout(fn):
+    if fn in SPMD_LAYOUT_FUNCTIONS:
         return fn(*args, layout=layout, **kwargs)
     with FactoryMode(layout, layout.mesh):
         out = fn(*args, **kwargs)
@@ -212,3 +213,12 @@ def _takes_layout(fn) -> bool:
         return "layout" in inspect.signature(fn).parameters
     except (TypeError, ValueError):
         return False
+
+
+# spmd's own functions that take `layout=` (the factories, the stateless random ops, the seeds' pack, relayout and
+# copy_to_mesh): call_with_layout looks a function up here rather than inspecting it, which torch.compile (2.11)
+# cannot do for a function made inside the compiled one
+SPMD_LAYOUT_FUNCTIONS: dict = {
+    f: True for module in (sys.modules[__name__], srandom, api) for name, f in vars(module).items()
+    if inspect.isfunction(f) and f.__module__ == module.__name__ and not name.startswith("_")
+    and f is not call_with_layout and _takes_layout(f)}

@@ -49,6 +49,7 @@ def prepare_dynamo() -> None:
     torch.compiler.allow_in_graph(call_born_with_layout)
     _skip_spmd_frames()
     _check_subclass_grads_by_their_inner_tensors()
+    _key_subclasses_in_the_autograd_cache()
     tag = f"spmd-{source_digest()}"
     if tag not in torch.compiler.config.cache_key_tag:
         torch.compiler.config.cache_key_tag += tag
@@ -122,6 +123,29 @@ def _check_subclass_grads_by_their_inner_tensors() -> None:
 
     is_static_by_inner_tensors._spmd = True
     optimizer._is_static_for_cudagraphs = is_static_by_inner_tensors
+
+
+def _key_subclasses_in_the_autograd_cache() -> None:
+    """AOTAutograd's on-disk cache keys a graph on its example inputs, pickled. In torch 2.11 its pickler has no rule
+    for tensor subclasses, so a DTensor input reached `DTensor.__reduce_ex__`, which refuses, and every graph
+    of `spmd.function` was compiled anew in each process (with a warning). Such a pickler is taught what later
+    ones do: a subclass that has `_stable_hash_for_caching` is keyed on it (a DTensor's names its layout, shapes,
+    strides, dtype and pending sum)."""
+    try:  # private classes of torch
+        from torch._functorch._aot_autograd.autograd_cache import AOTAutogradCachePickler
+        from torch._inductor.codecache import _ident
+    except ImportError:
+        return
+    if getattr(AOTAutogradCachePickler, "reducer_override", None) is not None:
+        return  # torch keys subclasses itself (or spmd already taught it)
+
+    def reducer_override(self, obj):
+        if isinstance(obj, torch.Tensor) and hasattr(obj, "_stable_hash_for_caching") and \
+                is_traceable_wrapper_subclass(obj):
+            return _ident, (obj._stable_hash_for_caching(),)
+        return NotImplemented
+
+    AOTAutogradCachePickler.reducer_override = reducer_override
 
 
 def _skip_spmd_frames() -> None:

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch._dynamo.variables import optimizer
+from torch._functorch._aot_autograd.autograd_cache import AOTAutogradCachePickler
 
 import spmd
 from spmd import UNSHARDED, Layout, tracing
@@ -280,6 +281,17 @@ def test_the_compile_cache_key_of_a_dtensor_names_what_a_graph_was_traced_for(me
               spmd.relayout(x, Layout(["y", UNSHARDED], mesh22)), x.detach().requires_grad_()]
     assert len({key(t) for t in [x] + others}) == 5
     assert key(x) == key(spmd.copy_to_mesh(torch.zeros(4, 4), Layout(["x", UNSHARDED], mesh22)))
+
+
+def test_the_autograd_cache_keys_a_dtensor_input_on_what_the_graph_was_traced_for(mesh22):
+    """AOTAutograd's on-disk cache pickles a graph's inputs into its key: a DTensor is keyed on its layout, shapes
+    and dtype (spmd teaches torch 2.11's pickler so), never refused (which would bypass the cache)."""
+    def key(t):
+        return AOTAutogradCachePickler(torch.fx.GraphModule({}, torch.fx.Graph())).dumps(t)
+
+    x = spmd.copy_to_mesh(torch.ones(4, 4), Layout(["x", UNSHARDED], mesh22))
+    assert key(x) == key(spmd.copy_to_mesh(torch.zeros(4, 4), Layout(["x", UNSHARDED], mesh22)))
+    assert key(x) != key(spmd.relayout(x, Layout(["y", UNSHARDED], mesh22))) != key(x.to(torch.bfloat16))
 
 
 def test_the_cuda_graph_check_of_an_optimizer_step_asks_a_dtensors_components(mesh22, monkeypatch):
