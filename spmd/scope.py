@@ -132,8 +132,8 @@ def _replicating_inside(overload, check):
         dtensors = [t for t in tensors if isinstance(t, DTensor)]
         if not dtensors:
             return overload.redispatch(below(keyset), *args, **kwargs)
-        for t in tensors:
-            if not isinstance(t, DTensor) and t.dim() > 0:  # the caller's: its layout is the caller's choice
+        for t in tensors:  # the caller's: its layout is the caller's choice, unless plain tensors replicate here
+            if not isinstance(t, DTensor) and t.dim() > 0 and not replicates_plain():
                 raise dispatch.mixed_tensor_error(t)
         if dtensors[0]._layout.mesh.remote is not None:
             raise UnsupportedOpError(

@@ -78,6 +78,19 @@ def test_a_plain_tensor_passed_to_such_an_op_still_raises(mesh22):
                                F.scaled_dot_product_attention(*[spmd.to_global(q)] * 3))
 
 
+def test_a_plain_mask_passed_to_attention_is_replicated_where_plain_tensors_are(mesh22):
+    """Under implicit_replication() (and in spmd.function, whose tensors made without a layout are replicated) the
+    caller's plain mask is taken as replicated, as it is by every other op there."""
+    q = spmd.copy_to_mesh(rand(2, 2, 4, 2), Layout(["x", "y", U, U], mesh22))
+    mask = torch.tril(torch.ones(4, 4, dtype=torch.bool))
+    want = F.scaled_dot_product_attention(*[spmd.to_global(q)] * 3, attn_mask=mask)
+    with spmd.implicit_replication():
+        torch.testing.assert_close(spmd.to_global(F.scaled_dot_product_attention(q, q, q, attn_mask=mask)), want)
+    attend = spmd.function(lambda q: F.scaled_dot_product_attention(
+        q, q, q, attn_mask=torch.tril(torch.ones(4, 4, dtype=torch.bool))), backend="eager")
+    torch.testing.assert_close(spmd.to_global(attend(q)), want)
+
+
 def test_a_users_plain_tensor_still_raises_and_the_scope_ends(mesh22):
     x = spmd.copy_to_mesh(torch.ones(4, 4), Layout(["x", U], mesh22))
     with pytest.raises(RuntimeError, match="boom"), spmd.implicit_replication():
