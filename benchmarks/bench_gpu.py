@@ -85,6 +85,11 @@ MIN_COSINE = 0.5  # an update direction less aligned with plain torch's than thi
 UNCHECKED = re.compile(r"attn\.k\.bias$")
 
 
+def with_cuda_graphs(name: str) -> bool:
+    """Whether variant `name` compiles its step with CUDA graphs (torch.compile's mode="reduce-overhead")."""
+    return name.endswith("_cg")
+
+
 # -- one variant (runs in the child process) ---------------------------------------------------------------------
 def gpt_config(cfg: dict):
     return GPTConfig(vocab_size=cfg["vocab_size"], block_size=cfg["block_size"], n_layer=cfg["n_layer"],
@@ -125,7 +130,7 @@ def build(name: str, cfg: dict):
     """(step, put, model) of variant `name`: the GPT built with torch.manual_seed(0) (the same weights in every
     process), converted to the run's dtype before it is moved or distributed."""
     device = cfg["device"]
-    mode = "reduce-overhead" if name.endswith("_cg") else None  # CUDA graphs
+    mode = "reduce-overhead" if with_cuda_graphs(name) else None
     name = name.removesuffix("_cg")
     torch.manual_seed(0)
     model = GPT(gpt_config(cfg)).to(getattr(torch, cfg["dtype"]))
@@ -230,14 +235,14 @@ def train(name: str, cfg: dict, res: dict) -> None:
     res["tokens_per_s"] = cfg["batch_size"] * cfg["block_size"] / (res["median_ms"] / 1e3)
     if device == "cuda":
         res["peak_bytes"] = torch.cuda.max_memory_allocated()
-        if name.endswith("_cg"):  # a graph's replay allocates nothing: its memory was allocated as it was recorded
+        if with_cuda_graphs(name):  # a graph's replay allocates nothing: its memory was allocated as it was recorded
             res["peak_bytes"] = max(res["peak_bytes"], res["peak_warmup_bytes"])
         res["peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
     else:
         res["peak_bytes"] = peak_rss_kib() * 1024  # the whole process, warm-up included: VmHWM cannot be reset
     if hasattr(step, "experimental_get_tracing_count"):
         res["traces"] = step.experimental_get_tracing_count()
-    if name.endswith("_cg"):  # graphs that could not be CUDA graphs, and inputs copied into a graph at each replay
+    if with_cuda_graphs(name):  # graphs that could not be CUDA graphs, and inputs copied into a graph at each replay
         res["cudagraph_skips"] = counters["inductor"]["cudagraph_skips"]
         res["cudagraph_copied_inputs"] = counters["inductor"]["cudagraph_recorded_non_static_inputs"]
     if cfg.get("scratch"):
@@ -560,7 +565,7 @@ def rows(data: dict) -> list[list[str]]:
 
 def same_mode_step(name: str) -> str:
     """The plain compiled step a variant is compared with: the one with CUDA graphs where it has them."""
-    return "compile_step_cg" if name.endswith("_cg") else "compile_step"
+    return "compile_step_cg" if with_cuda_graphs(name) else "compile_step"
 
 
 def readme_table(data: dict) -> str:

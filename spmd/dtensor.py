@@ -24,7 +24,6 @@ from spmd.tracing import prepare_dynamo
 # The rule engine (a floor above) executes ops: it installs itself with `install_engine` when imported.
 _engine = None
 _FUNCTIONAL = torch._C._TorchDispatchModeKey.FUNCTIONAL
-_DYNAMO_PREPARED = False  # whether a DTensor was flattened since spmd prepared Dynamo (spmd/tracing.py)
 
 
 def install_engine(engine) -> None:
@@ -110,16 +109,14 @@ class DTensor(torch.Tensor):
     # it is resolved here.
     # Compiled code's guards flatten every DTensor argument on every call (twice): the common case is kept short.
     def __tensor_flatten__(self):
+        prepare_dynamo()  # (already done when torch.compile imported Dynamo, unless its loader was unusual)
         stack = self._stack
-        if self._pending or (stack.stride(0) == 0 and stack.shape[0] > 1) or not _DYNAMO_PREPARED:
+        if self._pending or shared(stack):
             stack = self._prepare_for_graph()
         return ["_stack"], (self._layout, stack.stride())
 
     def _prepare_for_graph(self) -> torch.Tensor:
         """Resolves the pending reduction and gives each device its own memory (a compiled graph may write it)."""
-        global _DYNAMO_PREPARED
-        prepare_dynamo()  # (already done when torch.compile imported Dynamo, unless its loader was unusual)
-        _DYNAMO_PREPARED = True
         if self._pending:
             if isinstance(self._stack, FunctionalTensor) and torch._C._get_dispatch_mode(_FUNCTIONAL) is None:
                 # AOTAutograd unwraps a traced function's outputs after leaving its functionalisation mode

@@ -113,15 +113,12 @@ def _check_subclass_grads_by_their_inner_tensors() -> None:
         is_static = optimizer._is_static_for_cudagraphs
     except (ImportError, AttributeError):
         return
-    if getattr(is_static, "_spmd", False):
-        return
 
     def is_static_by_inner_tensors(x):
         if is_traceable_wrapper_subclass(x):
             return all(is_static_by_inner_tensors(getattr(x, name)) for name in x.__tensor_flatten__()[0])
         return is_static(x)
 
-    is_static_by_inner_tensors._spmd = True
     optimizer._is_static_for_cudagraphs = is_static_by_inner_tensors
 
 
@@ -137,7 +134,7 @@ def _key_subclasses_in_the_autograd_cache() -> None:
     except ImportError:
         return
     if getattr(AOTAutogradCachePickler, "reducer_override", None) is not None:
-        return  # torch keys subclasses itself (or spmd already taught it)
+        return  # torch keys subclasses itself
 
     def reducer_override(self, obj):
         if isinstance(obj, torch.Tensor) and hasattr(obj, "_stable_hash_for_caching") and \

@@ -67,9 +67,8 @@ def aligned_inputs(call: OpCall, specs: list[TensorSpec], out_axes: tuple, out_s
 # elementwise ops whose native_functions.yaml entries lack torch's `pointwise` tag (torch tags the ops it wrote
 # as TensorIterator kernels with a generated lowering; these have hand-written kernels or are rarely fused):
 # taken as tagged, so their in-place overloads and their gradients join the family too (torch 2.13 tags leaky_relu,
-# 2.11 does not). prelu's weight is viewed
-# by torch to broadcast over the channel axis, and its backward returns both gradients at the broadcast shape
-# (autograd sums the weight's).
+# 2.11 does not). prelu's weight is viewed by torch to broadcast over the channel axis, and its backward returns
+# both gradients at the broadcast shape (autograd sums the weight's).
 _UNTAGGED = {aten.rsub.Tensor, aten.floor_divide.default, aten.floor_divide.Scalar, aten.fill.Scalar,
              aten.hardswish.default, aten.leaky_relu.default, aten._prelu_kernel.default,
              aten._prelu_kernel_backward.default}
