@@ -12,9 +12,10 @@ import numpy as np
 import torch
 import torch.utils._pytree as pytree
 from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
+from torch.utils._mode_utils import no_dispatch
 
 from spmd import shards
-from spmd.collectives.local import shared
+from spmd.collectives.local import one_copy, share, shared, traced
 from spmd.errors import LayoutError
 from spmd.layout import Layout
 from spmd.mesh import short_device_name
@@ -105,42 +106,74 @@ class DTensor(torch.Tensor):
     # -- torch.compile: a traceable wrapper subclass --------------------------------------------------------------
     # Dynamo and AOTAutograd see the stacked components as the one inner tensor, and the layout and the
     # components' strides as static metadata (guarded on: a compiled graph assumes both), so a compiled graph holds
-    # plain kernels over the components and the collectives. A pending reduction never crosses a graph boundary:
-    # it is resolved here.
+    # plain kernels over the components and the collectives. A stack that every device shares (a value replicated
+    # over the whole mesh: see collectives/local.py) enters and leaves a graph as its one copy, with the number of
+    # devices sharing it as metadata, so the graph computes, and updates, it once. A pending reduction never crosses
+    # a graph boundary: it is resolved here.
     # Compiled code's guards flatten every DTensor argument on every call (twice): the common case is kept short.
     def __tensor_flatten__(self):
         prepare_dynamo()  # (already done when torch.compile imported Dynamo, unless its loader was unusual)
         stack = self._stack
-        if self._pending or shared(stack):
+        if self._pending:
             stack = self._prepare_for_graph()
-        return ["_stack"], (self._layout, stack.stride())
+        return ["_inner"], (self._layout, stack.stride(), stack.shape[0] if shared(stack) else None)
+
+    @property
+    def _inner(self) -> torch.Tensor:
+        """What a graph takes: the stack, or the one copy of a shared one (`collectives.local.share`). The same name
+        in both cases, and never a view of a real tensor: Dynamo fakes a parameter's gradient with the parameter's
+        symbolic context where both look alike, and with dynamic sizes (which spmd's rules do not take) where not."""
+        stack = self._stack
+        if not traced(stack):
+            if not stack._is_view() and not shared(stack):
+                return stack
+            inner = getattr(stack, "_spmd_inner", None)  # (kept: guards compare their inputs' identities)
+            if inner is None:
+                with no_dispatch():  # (Dynamo reads a graph's inputs under its fake mode)
+                    inner = stack._spmd_inner = (one_copy(stack) if shared(stack) else stack).detach()
+            return inner
+        if not shared(stack):
+            return stack
+        if hasattr(stack, "_spmd_one"):
+            return stack._spmd_one
+        if isinstance(stack, FunctionalTensor) and torch._C._get_dispatch_mode(_FUNCTIONAL) is None:
+            with FunctionalTensorMode():  # (AOTAutograd unwraps a traced function's outputs outside its mode)
+                return stack[:1]
+        return stack[:1]
+
+    @_inner.setter
+    def _inner(self, inner: torch.Tensor) -> None:  # (AOTAutograd gives a gradient's inner tensor the traced strides)
+        self._stack = share(inner, self._stack.shape[0]) if shared(self._stack) else inner
 
     def _prepare_for_graph(self) -> torch.Tensor:
-        """Resolves the pending reduction and gives each device its own memory (a compiled graph may write it)."""
-        if self._pending:
-            if isinstance(self._stack, FunctionalTensor) and torch._C._get_dispatch_mode(_FUNCTIONAL) is None:
-                # AOTAutograd unwraps a traced function's outputs after leaving its functionalisation mode
-                with FunctionalTensorMode():
-                    _engine.resolve(self)
-            else:
+        """Resolves the pending reduction (a graph's inputs and results carry none)."""
+        if isinstance(self._stack, FunctionalTensor) and torch._C._get_dispatch_mode(_FUNCTIONAL) is None:
+            # AOTAutograd unwraps a traced function's outputs after leaving its functionalisation mode
+            with FunctionalTensorMode():
                 _engine.resolve(self)
-        if shared(self._stack):
-            self._stack = self._stack.contiguous()
+        else:
+            _engine.resolve(self)
         return self._stack
 
     @classmethod
     def __tensor_unflatten__(cls, inner, meta, outer_size, outer_stride):
-        return DTensor.__new__(cls, inner["_stack"], meta[0], tuple(outer_size), strides=tuple(outer_stride))
+        layout, _, sharers = meta
+        stack = inner["_inner"] if sharers is None else share(inner["_inner"], sharers)
+        return DTensor.__new__(cls, stack, layout, tuple(outer_size), strides=tuple(outer_stride))
 
     def __coerce_same_metadata_as_tangent__(self, expected_meta, expected_type=None):
         """A gradient arriving at a compiled backward with another layout than the one traced is relayouted
-        (AOTAutograd itself gives the components the traced strides)."""
+        (AOTAutograd itself gives the components the traced strides); one shared copy or each device's own memory,
+        as traced."""
         if expected_type is not None and not issubclass(expected_type, DTensor):
             return None
-        expected_layout = expected_meta[0]
-        if expected_layout == self._layout:
-            return self
-        return relayout_op(self, expected_layout.to_string())
+        layout, _, sharers = expected_meta
+        grad = self if layout == self._layout else relayout_op(self, layout.to_string())
+        stack = grad._stack
+        if shared(stack) != (sharers is not None):
+            stack = stack.contiguous() if sharers is None else share(stack[:1], sharers)
+            grad = DTensor(stack, grad._layout, grad.shape, strides=grad.stride())
+        return grad
 
     def _stable_hash_for_caching(self) -> str:
         """What AOTAutograd's cache keys a compiled graph's DTensor input on: everything the graph was traced for

@@ -161,7 +161,7 @@ class _Unit:
             if gathered is None:
                 gathered = relayout(param, layout)
             module._parameters[name] = gathered  # not a Parameter: seen under the name during this forward only
-            stack = gathered._stack
+            stack = gathered._stack if track else None  # (a traced DTensor's components: not Dynamo's to read)
             if track and stack is not param._stack and (stack.is_contiguous() or shared(stack)):
                 frame.live.append(stack.untyped_storage().data_ptr())
                 _LIVE[frame.live[-1]] = (param, layout, stack.storage_offset())

@@ -159,15 +159,25 @@ def _skip_spmd_frames() -> None:
         for value in vars(module).values():
             if getattr(value, "__module__", None) != name:
                 continue
-            for member in (vars(value).values() if isinstance(value, type) else (value,)):
-                code = getattr(getattr(member, "__func__", member), "__code__", None)
-                if code is not None:
-                    _skip_code_tree(code, lambda c: set_code_exec_strategy(c, skip), seen)
+            members = vars(value) if isinstance(value, type) else {name: value}
+            for member_name, member in members.items():
+                for function in _functions_of(member_name, member):
+                    code = getattr(getattr(function, "__func__", function), "__code__", None)
+                    if code is not None:
+                        _skip_code_tree(code, lambda c: set_code_exec_strategy(c, skip), seen)
 
 
 # the modules that run inside `__torch_dispatch__` (the user-facing API, e.g. relayout, is inlined by Dynamo)
 _RUNTIME = ("spmd.engine", "spmd.collectives", "spmd.dtensor",
             "spmd.api", "spmd.ops", "spmd.controller")
+# properties that torch's compiled code reads at run time (a DTensor's inner tensor, `__tensor_flatten__`)
+_READ_BY_COMPILED_CODE = ("_inner",)
+
+
+def _functions_of(name: str, member) -> tuple:
+    if isinstance(member, property):  # Dynamo inlines a property (`t._local`), unless compiled code reads it
+        return (member.fget, member.fset) if name in _READ_BY_COMPILED_CODE else ()
+    return (member,)
 
 
 def _skip_code_tree(code: types.CodeType, skip, seen: set) -> None:

@@ -6,6 +6,7 @@ import numpy as np
 import torch
 
 from spmd.api import copy_to_mesh
+from spmd.collectives.local import one_copy, share, shared
 from spmd.dtensor import DTensor, keep_grad_layout
 from spmd.engine import foreach
 from spmd.errors import LayoutError, MeshMismatchError
@@ -48,7 +49,10 @@ class DVariable(DTensor):
         else:
             value = copy_to_mesh(initial_value, layout)
         local = value._local.detach()
-        local = local.to(dtype) if dtype is not None else local.clone()
+        if shared(local):  # a replicated value stays one copy that every device shares
+            local = share(_copied(one_copy(local), dtype), local.shape[0])
+        else:
+            local = _copied(local, dtype)
         var = DTensor.__new__(cls, local, value._layout, value.shape, requires_grad)
         var._is_param = True  # nn.Module registers it as a parameter
         var.variable_name = name
@@ -111,3 +115,7 @@ class DVariable(DTensor):
 
 
 foreach.let_torch_optim_take(DTensor, DVariable)
+
+
+def _copied(local: torch.Tensor, dtype) -> torch.Tensor:
+    return local.to(dtype, copy=True) if dtype is not None else local.clone()

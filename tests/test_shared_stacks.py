@@ -74,6 +74,27 @@ def test_data_parallel_weight_gradient_is_one_product_and_one_all_reduce(mesh4):
     torch.testing.assert_close(gather(out), x.t() @ g)
 
 
+@pytest.mark.parametrize("dims", [[("batch", 4)], [("batch", 2), ("model", 2)]])
+def test_an_operand_replicated_over_a_mesh_dim_enters_the_product_once(dims, monkeypatch):
+    """`x @ w` with x's rows sharded over `batch` and w replicated over it: one product of all rows with w's one
+    copy (as plain torch computes it), not one small product per device."""
+    mesh = spmd.create_mesh(dims)
+    x, w = torch.randn(16, 6), torch.randn(6, 4)
+    dx = spmd.copy_to_mesh(x, Layout(["batch", U], mesh))
+    dw = spmd.copy_to_mesh(w, Layout([U, "model" if len(dims) > 1 else U], mesh))
+    calls = []
+    einsum = torch.einsum
+    monkeypatch.setattr(torch, "einsum", lambda eq, *ops: calls.append((eq, [o.shape for o in ops])) or einsum(eq, *ops))
+    out, collectives = issued(lambda: dx @ dw)
+    assert collectives == []
+    if len(dims) == 1:
+        assert calls == [("Amk,kn->Amn", [(4, 4, 6), (6, 4)])]
+    else:
+        assert calls == [("Amk,Bkn->ABmn", [(2, 8, 6), (2, 6, 2)])]
+    torch.testing.assert_close(gather(out), x @ w)
+    check_replicas(out)
+
+
 def test_a_same_sum_passes_linear_ops_and_meets_a_sum(mesh4):
     x, w, v = torch.randn(4, 8), torch.randn(8, 3), torch.randn(8, 3)
     dx = spmd.copy_to_mesh(x, Layout([U, "batch"], mesh4))
@@ -131,18 +152,26 @@ def test_a_data_parallel_step_updates_each_shared_parameter_once(mesh4, kind):
         assert components(p)[0] == components(p)[3]
 
 
-def test_compiled_graphs_hold_each_devices_own_memory(mesh4):
-    """A shared stack entering a compiled graph gets its own memory per device (the graph may write it)."""
-    w = spmd.copy_to_mesh(torch.randn(4, 4), Layout([U, U], mesh4))
+def test_a_compiled_graph_takes_writes_and_returns_the_one_copy(mesh4):
+    """A shared stack enters a compiled graph as its one copy, which the graph writes in place (not through the
+    expanded view: functionalization would replay that write as `base + sum(new - base)`, which rounds 1e8 -> 1
+    to 0), and results replicated over the mesh leave it shared."""
+    w = spmd.copy_to_mesh(torch.full((4, 4), 1e8), Layout([U, U], mesh4))
 
     @spmd.function(backend="aot_eager")
-    def scale(w):
-        w.mul_(2)
-        return w.sum()
+    def reset(w):
+        w.mul_(0).add_(1)
+        return w.sum(), w * 3
 
-    before = gather(w)
-    total = scale(w)
-    assert not shared(w._stack)
-    torch.testing.assert_close(gather(w), before * 2)
-    torch.testing.assert_close(gather(total), (before * 2).sum())
+    total, tripled = reset(w)
+    assert shared(w._stack) and shared(tripled._stack) and _storage_bytes(w) == 16 * 4
+    assert torch.equal(gather(w), torch.ones(4, 4)) and torch.equal(gather(tripled), torch.full((4, 4), 3.0))
+    assert gather(total).item() == 16
     check_replicas(w)
+
+
+def test_a_variable_of_a_replicated_value_is_one_copy(mesh4):
+    v = spmd.DVariable(torch.randn(4, 4), layout=Layout([U, U], mesh4))
+    half = spmd.DVariable(spmd.copy_to_mesh(torch.ones(4), Layout([U], mesh4)), dtype=torch.float16)
+    assert shared(v._stack) and _storage_bytes(v) == 16 * 4
+    assert shared(half._stack) and half.dtype == torch.float16 and torch.equal(gather(half), torch.ones(4).half())

@@ -31,16 +31,31 @@ def shared(stack: torch.Tensor) -> bool:
 
 
 def traced(t: torch.Tensor) -> bool:
-    """Whether `t` stands for a tensor in a graph being traced. Traced graphs hold each device's own memory (a
-    compiled graph cannot write an input that several devices share), which inductor computes without copies."""
+    """Whether `t` stands for a tensor in a graph being traced."""
     return isinstance(t, (FakeTensor, FunctionalTensor))
+
+
+def share(one: torch.Tensor, n: int) -> torch.Tensor:
+    """The stacked components of `n` devices that all hold `one` `(1, *local)`: `one` expanded (stride 0 over the
+    stack axis). In a traced graph the stack remembers `one`, and a write goes there (`one_copy`): a write through
+    the expanded view would be replayed as a sum over the devices (functionalization's inverse of `expand`)."""
+    stack = one.expand((n,) + tuple(one.shape[1:]))
+    if traced(one):
+        stack._spmd_one = one
+    return stack
+
+
+def one_copy(stack: torch.Tensor) -> torch.Tensor:
+    """The one copy `(1, *local)` that the devices of a shared stack hold (see `share`)."""
+    one = getattr(stack, "_spmd_one", None)
+    return stack[:1] if one is None else one
 
 
 def spread(part: torch.Tensor, mesh_shape: tuple, stack_shape: tuple) -> torch.Tensor:
     """`part` (*mesh, *local), of size 1 along the mesh axes whose devices hold the same values, as the stacked
     components `stack_shape`: one shared copy when every device holds the same, else each device's own memory."""
-    if all(n == 1 for n in part.shape[:len(mesh_shape)]) and not traced(part):
-        return part.reshape(stack_shape[1:]).expand(stack_shape)
+    if all(n == 1 for n in part.shape[:len(mesh_shape)]):
+        return share(part.reshape((1,) + tuple(stack_shape[1:])), stack_shape[0])
     return part.expand(mesh_shape + tuple(stack_shape[1:])).contiguous().view(stack_shape)
 
 

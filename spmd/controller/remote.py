@@ -97,12 +97,12 @@ class RemoteDTensor(DTensor):
         if self._pending:  # a compiled graph resolves its inputs: the workers' graph resolves theirs
             with shadow():
                 dispatch.resolve(self)
-        return ["_stack"], (self._layout, self._stack.stride())
+        return super().__tensor_flatten__()
 
     @classmethod
     def __tensor_unflatten__(cls, inner, meta, outer_size, outer_stride):
         with shadow():  # a fake for Dynamo: nothing to send
-            return DTensor.__new__(cls, inner["_stack"], meta[0], tuple(outer_size))
+            return super().__tensor_unflatten__(inner, meta, outer_size, outer_stride)
 
     def __deepcopy__(self, memo):
         with torch.no_grad():

@@ -21,7 +21,7 @@ from torch.utils._mode_utils import no_dispatch
 
 from spmd import dtensor, explain
 from spmd.collectives import Kind, backend_for
-from spmd.collectives.local import shared, traced
+from spmd.collectives.local import one_copy, share, shared
 from spmd.dtensor import DTensor
 from spmd.engine import foreach, multi_axis, planner, registry
 from spmd.engine import rules  # noqa: F401  (registers every rule)
@@ -274,16 +274,13 @@ def _execute(plan: _Plan, func, args, kwargs, tensors):
 def _execute_once(plan: _Plan, args, kwargs, tensors, locals_):
     """A replicated op runs on the first device's components (every device holds the same); its outputs are that
     one copy, shared by every device. An in-place op writes the one copy its target shares."""
-    out = plan.once([x[:1] for x in locals_], args, kwargs)
+    out = plan.once([one_copy(x) for x in locals_], args, kwargs)
     if plan.writes:
         return tensors[0]
     n = locals_[0].shape[0]
 
     def shared_by_all(o):
-        if not isinstance(o, torch.Tensor):
-            return o
-        o = o.expand((n,) + o.shape[1:])
-        return o.contiguous() if traced(o) else o
+        return share(o, n) if isinstance(o, torch.Tensor) else o
 
     out = shared_by_all(out) if plan.decision.single else tuple(shared_by_all(o) for o in out)
     return _wrap(plan, out, locals_, args, kwargs)

@@ -18,7 +18,7 @@ import torch.utils._foreach_utils
 from torch.optim import optimizer
 
 from spmd.collectives import backend_for
-from spmd.collectives.local import shared
+from spmd.collectives.local import one_copy, share, shared
 from spmd.dtensor import DTensor
 from spmd.engine import planner
 from spmd.errors import MeshMismatchError, MixedTensorError
@@ -138,7 +138,7 @@ def _once_where_shared(signature: _Signature, named, stacked) -> None:
     for i, shares in enumerate(zip(*(map(shared, stacked[name]) for name in written))):
         if all(shares):
             for name in lists:
-                stacked[name][i] = stacked[name][i][:1]
+                stacked[name][i] = one_copy(stacked[name][i])
         elif any(shares) and signature.in_place:
             for name, is_shared in zip(written, shares):
                 if is_shared and stacked[name][i] is named[name][i]._stack:
@@ -225,7 +225,7 @@ def _run_on_stacks(func, args, kwargs, reference):
     if reference is None:  # in place: the DTensors' components were written
         return None
     n = reference[0]._stack.shape[0]  # (outputs computed once are shared by every device)
-    return [DTensor(o if o.shape[0] == n else o.expand((n,) + o.shape[1:]), r._layout, r.shape)
+    return [DTensor(o if o.shape[0] == n else share(o, n), r._layout, r.shape)
             for o, r in zip(out, reference)]
 
 

@@ -32,6 +32,7 @@ import torch
 
 from spmd import explain
 from spmd.collectives import Collective, Kind, backend_for
+from spmd.collectives.local import share
 from spmd.layout import axis_dims
 
 
@@ -212,4 +213,4 @@ def distribute(value: torch.Tensor, mesh, axes: tuple) -> torch.Tensor:
     if steps:  # collectives return fresh memory
         return run(replicated, mesh, steps)
     # replicated over the whole mesh: one copy that every device shares
-    return value.clone(memory_format=torch.contiguous_format).unsqueeze(0).expand(replicated.shape)
+    return share(value.clone(memory_format=torch.contiguous_format).unsqueeze(0), replicated.shape[0])
