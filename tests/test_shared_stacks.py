@@ -82,9 +82,12 @@ def test_an_operand_replicated_over_a_mesh_dim_enters_the_product_once(dims, mon
     x, w = torch.randn(16, 6), torch.randn(6, 4)
     dx = spmd.copy_to_mesh(x, Layout(["batch", U], mesh))
     dw = spmd.copy_to_mesh(w, Layout([U, "model" if len(dims) > 1 else U], mesh))
-    calls = []
-    einsum = torch.einsum
-    monkeypatch.setattr(torch, "einsum", lambda eq, *ops: calls.append((eq, [o.shape for o in ops])) or einsum(eq, *ops))
+    calls, einsum = [], torch.einsum
+
+    def recorded(equation, *operands):
+        calls.append((equation, [o.shape for o in operands]))
+        return einsum(equation, *operands)
+    monkeypatch.setattr(torch, "einsum", recorded)
     out, collectives = issued(lambda: dx @ dw)
     assert collectives == []
     if len(dims) == 1:
