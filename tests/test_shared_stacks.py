@@ -74,30 +74,6 @@ def test_data_parallel_weight_gradient_is_one_product_and_one_all_reduce(mesh4):
     torch.testing.assert_close(gather(out), x.t() @ g)
 
 
-@pytest.mark.parametrize("dims", [[("batch", 4)], [("batch", 2), ("model", 2)]])
-def test_an_operand_replicated_over_a_mesh_dim_enters_the_product_once(dims, monkeypatch):
-    """`x @ w` with x's rows sharded over `batch` and w replicated over it: one product of all rows with w's one
-    copy (as plain torch computes it), not one small product per device."""
-    mesh = spmd.create_mesh(dims)
-    x, w = torch.randn(16, 6), torch.randn(6, 4)
-    dx = spmd.copy_to_mesh(x, Layout(["batch", U], mesh))
-    dw = spmd.copy_to_mesh(w, Layout([U, "model" if len(dims) > 1 else U], mesh))
-    calls, einsum = [], torch.einsum
-
-    def recorded(equation, *operands):
-        calls.append((equation, [o.shape for o in operands]))
-        return einsum(equation, *operands)
-    monkeypatch.setattr(torch, "einsum", recorded)
-    out, collectives = issued(lambda: dx @ dw)
-    assert collectives == []
-    if len(dims) == 1:
-        assert calls == [("Amk,kn->Amn", [(4, 4, 6), (6, 4)])]
-    else:
-        assert calls == [("Amk,Bkn->ABmn", [(2, 8, 6), (2, 6, 2)])]
-    torch.testing.assert_close(gather(out), x @ w)
-    check_replicas(out)
-
-
 def test_a_same_sum_passes_linear_ops_and_meets_a_sum(mesh4):
     x, w, v = torch.randn(4, 8), torch.randn(8, 3), torch.randn(8, 3)
     dx = spmd.copy_to_mesh(x, Layout([U, "batch"], mesh4))

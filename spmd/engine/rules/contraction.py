@@ -5,7 +5,7 @@ Why the rule holds: a sharded contracted label turns each local product into a p
 dim (one all-reduce completes it); a sharded free label simply carries to the output. Label priorities follow
 TF DTensor's matmul rule: free labels beat contracted labels beat batch labels for a mesh dim, and two free
 labels on one mesh dim both become unsharded. On a mesh whose devices all live in this process, the partial
-products of a contraction over a sharded label are one product (`grid_product`). A distance ‖x1_p − x2_r‖ is
+products of a contraction over a sharded label are one product (`summed_product`). A distance ‖x1_p − x2_r‖ is
 not a sum of products, so its feature axis is whole on each device; its gradient sums over r and is a partial sum
 like a contraction.
 """
@@ -53,51 +53,41 @@ def einsum_axes(equation: str, operands: list[tuple]) -> tuple[list[tuple], tupl
     return required, tuple(choice.get(l) for l in out), reduced
 
 
-def grid_product(call: OpCall, equation: str, required: list[tuple], reduced: tuple):
-    """For a mesh whose devices all live in this process: `(a, b) -> stacked products` of the two-operand
-    `equation` as one product over the grid of devices (the stack viewed as `(*mesh, *local)`), where that does
-    better than one small product per device:
-    - an operand replicated over a mesh dim enters once, and the products of the devices along that dim are one
-      product (`x @ w` with the rows of x sharded over `batch` and w replicated: one matrix product, as in plain
-      torch, not one per device);
-    - over the `reduced` mesh dims (a contracted label sharded over them) the devices' blocks lie side by side
-      along the contracted axis, and every device of a reduced group gets the group's sum (one copy, where the
-      group is the whole mesh): the output's pending reduction is then `same` (`spmd/collectives/local.py`),
-      which the all-reduce or reduce-scatter completing it only reads.
-    Returns (product, whether it sums over devices), or None where it does not apply (several clients, an
-    input sharded over several mesh dims, or every operand sharded over the same mesh dims and nothing reduced)."""
+def summed_product(call: OpCall, equation: str, reduced: tuple):
+    """For a mesh whose devices all live in this process: `(a, b) -> stacked sums` of the two-operand
+    `equation`, contracted over the sharded label AND over the devices of the `reduced` mesh dims, as one product
+    with the devices' blocks side by side along the contracted axis (the product plain torch runs) instead of one
+    small product per device. Every device of a reduced group gets the group's sum (one copy, where the group is
+    the whole mesh): the output's pending reduction is then `same` (`spmd/collectives/local.py`), which the
+    all-reduce or reduce-scatter completing it only reads. None where it does not apply (several clients, or
+    nothing reduced, or an input sharded over several mesh dims: the reduction then spans dims the rule does not
+    see)."""
     mesh = call.mesh
-    if call.multi_axis or not mesh.is_fully_local():
-        return None
     grid = tuple(mesh.shape())
-    varies = [{mesh.axis_index(m) for m in axes if m is not None and mesh.dim_size(m) > 1} for axes in required]
     summed = {mesh.axis_index(m) for m in reduced if mesh.dim_size(m) > 1}
-    every = set().union(*varies)
-    if not summed and all(v == every for v in varies):
+    if not summed or call.multi_axis or not mesh.is_fully_local():
         return None
     labels = _LETTERS.upper()[:len(grid)]
-    kept = sorted(every - summed)
+    kept = "".join(label if i not in summed else "" for i, label in enumerate(labels))
     terms, out = equation.split("->")
-    grid_terms = ["".join(labels[d] for d in sorted(v)) + term for v, term in zip(varies, terms.split(","))]
-    grid_equation = ",".join(grid_terms) + "->" + "".join(labels[d] for d in kept) + out
-    picks = [tuple(slice(None) if d in v else 0 for d in range(len(grid))) for v in varies]
-    sizes = tuple(n if d in kept else 1 for d, n in enumerate(grid))
+    grid_equation = ",".join(labels + term for term in terms.split(",")) + f"->{kept}{out}"
+    sizes = tuple(1 if i in summed else n for i, n in enumerate(grid))
 
     def product(a, b):
-        total = torch.einsum(grid_equation, *(x.reshape(grid + x.shape[1:])[pick] for x, pick in zip((a, b), picks)))
+        total = torch.einsum(grid_equation, a.reshape(grid + a.shape[1:]), b.reshape(grid + b.shape[1:]))
         local = total.shape[len(kept):]
         return spread(total.reshape(sizes + local), grid, (call.num_local,) + local)
 
-    return product, bool(summed)
+    return product
 
 
 def _contraction(call: OpCall, equation: str, product) -> Decision:
     specs = call.specs
     required, out_axes, reduced = einsum_axes(equation, [s.axes for s in specs])
-    grid = grid_product(call, equation, required, reduced)
-    run = grid[0] if grid else product
+    summed = summed_product(call, equation, reduced)
+    run = summed or product
     return Decision(tuple(required), (out_axes,), lambda locals_, args, kwargs: run(*locals_),
-                    reduce=(reduced,) if reduced else (), reduce_op="same" if grid and grid[1] else "sum")
+                    reduce=(reduced,) if reduced else (), reduce_op="same" if summed else "sum")
 
 
 @register(aten.mm.default, blockwise=True)
@@ -177,9 +167,9 @@ def addmm_rule(call: OpCall) -> Decision:
     equation, local_product = _PRODUCTS[call.func]
     bias, a, b = call.specs
     required, out_axes, reduced = einsum_axes(equation, [a.axes, b.axes])
-    grid = grid_product(call, equation, required, reduced)
-    local_product = grid[0] if grid else local_product
-    reduce_op = "same" if grid and grid[1] else "sum"
+    summed = summed_product(call, equation, reduced)
+    local_product = summed or local_product
+    reduce_op = "same" if summed else "sum"
     terms, out = equation.split("->")
     sizes = {label: size for term, s in zip(terms.split(","), (a, b)) for label, size in zip(term, s.shape)}
     out_shape = tuple(sizes[label] for label in out)
