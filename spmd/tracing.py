@@ -159,8 +159,8 @@ def _skip_spmd_frames() -> None:
         for value in vars(module).values():
             if getattr(value, "__module__", None) != name:
                 continue
-            members = vars(value) if isinstance(value, type) else {name: value}
-            for member_name, member in members.items():
+            members = vars(value).items() if isinstance(value, type) else [("", value)]
+            for member_name, member in members:
                 for function in _functions_of(member_name, member):
                     code = getattr(getattr(function, "__func__", function), "__code__", None)
                     if code is not None:
