@@ -6,6 +6,7 @@ Components of all local devices are stored stacked in one tensor `_local` of sha
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Sequence
 
 import numpy as np
@@ -134,12 +135,8 @@ class DTensor(torch.Tensor):
             return inner
         if not shared(stack):
             return stack
-        if hasattr(stack, "_spmd_one"):
-            return stack._spmd_one
-        if isinstance(stack, FunctionalTensor) and torch._C._get_dispatch_mode(_FUNCTIONAL) is None:
-            with FunctionalTensorMode():  # (AOTAutograd unwraps a traced function's outputs outside its mode)
-                return stack[:1]
-        return stack[:1]
+        with _functionalising(stack):
+            return one_copy(stack)
 
     @_inner.setter
     def _inner(self, inner: torch.Tensor) -> None:  # (AOTAutograd gives a gradient's inner tensor the traced strides)
@@ -147,11 +144,7 @@ class DTensor(torch.Tensor):
 
     def _prepare_for_graph(self) -> torch.Tensor:
         """Resolves the pending reduction (a graph's inputs and results carry none)."""
-        if isinstance(self._stack, FunctionalTensor) and torch._C._get_dispatch_mode(_FUNCTIONAL) is None:
-            # AOTAutograd unwraps a traced function's outputs after leaving its functionalisation mode
-            with FunctionalTensorMode():
-                _engine.resolve(self)
-        else:
+        with _functionalising(self._stack):
             _engine.resolve(self)
         return self._stack
 
@@ -243,6 +236,14 @@ class DTensor(torch.Tensor):
 
     def __reduce_ex__(self, protocol):
         raise TypeError("a DTensor cannot be pickled directly; save it with spmd.checkpoint or unpack it first")
+
+
+def _functionalising(stack: torch.Tensor):
+    """A functionalisation mode to work on traced components in, where they are met outside one: AOTAutograd
+    unwraps a traced function's outputs after leaving its mode."""
+    if isinstance(stack, FunctionalTensor) and torch._C._get_dispatch_mode(_FUNCTIONAL) is None:
+        return FunctionalTensorMode()
+    return contextlib.nullcontext()
 
 
 def _operator(torch_fn, reflected: bool = False):
