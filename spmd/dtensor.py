@@ -164,8 +164,10 @@ class DTensor(torch.Tensor):
         grad = self if layout == self._layout else relayout_op(self, layout.to_string())
         stack = grad._stack
         if shared(stack) != (sharers is not None):
-            stack = stack.contiguous() if sharers is None else share(stack[:1], sharers)
-            grad = DTensor(stack, grad._layout, grad.shape, strides=grad.stride())
+            # contiguous outer strides: AOTAutograd then makes the gradient contiguous with an op of our own, whose
+            # result for a replicated value would be shared again
+            stack = stack.contiguous() if sharers is None else share(stack[:1].contiguous(), sharers)
+            grad = DTensor(stack, grad._layout, grad.shape)
         return grad
 
     def _stable_hash_for_caching(self) -> str:

@@ -154,3 +154,16 @@ def test_a_variable_of_a_replicated_value_is_one_copy(mesh4):
     half = spmd.DVariable(spmd.copy_to_mesh(torch.ones(4), Layout([U], mesh4)), dtype=torch.float16)
     assert shared(v._stack) and _storage_bytes(v) == 16 * 4
     assert shared(half._stack) and half.dtype == torch.float16 and torch.equal(gather(half), torch.ones(4).half())
+
+
+def test_a_shared_gradient_coerced_to_a_traced_per_device_tangent_stays_per_device(mesh4):
+    """AOTAutograd makes a coerced tangent contiguous when its strides are not: the coerced gradient must already be
+    contiguous, since our own `contiguous` of a replicated value would share it again (a batch-size mismatch in the
+    compiled backward, seen on torch 2.11)."""
+    grad = spmd.copy_to_mesh(torch.ones(()), Layout([], mesh4)).expand(4, 4)  # what `sum`'s backward gives
+    traced = spmd.copy_to_mesh(torch.randn(4, 4), Layout([U, U], mesh4)).contiguous()
+    traced = spmd.DTensor(traced._stack.contiguous(), traced._layout, traced.shape)
+    coerced = grad.__coerce_same_metadata_as_tangent__(traced.__tensor_flatten__()[1])
+    assert coerced.is_contiguous() and not shared(coerced._stack)
+    assert coerced.__tensor_flatten__()[1] == traced.__tensor_flatten__()[1]
+    torch.testing.assert_close(gather(coerced), torch.ones(4, 4))
