@@ -74,6 +74,27 @@ def test_data_parallel_weight_gradient_is_one_product_and_one_all_reduce(mesh4):
     torch.testing.assert_close(gather(out), x.t() @ g)
 
 
+@pytest.mark.parametrize("kind", ["mm", "addmm"])
+def test_a_product_with_a_weight_every_device_holds_is_one_matrix_product(mesh4, kind):
+    """x sharded over the batch times a replicated weight (held once): one `mm` of all devices' rows, no
+    collective, each device's rows as plain torch computes them; on one device, plain torch's kernel bit for bit."""
+    x, w, b = torch.randn(8, 16), torch.randn(16, 32), torch.randn(32)
+    op = (lambda x, w, b: x @ w) if kind == "mm" else (lambda x, w, b: torch.addmm(b, x, w))
+    mesh1 = spmd.create_mesh([("batch", 1)], devices=["CPU:0"])
+    for mesh in (mesh4, mesh1):
+        dx = spmd.copy_to_mesh(x, Layout(["batch", U], mesh))
+        dw, db = (spmd.copy_to_mesh(t, Layout([U] * t.dim(), mesh)) for t in (w, b))
+        assert mesh is mesh1 or shared(dw._stack)
+        with torch.profiler.profile() as prof:  # (it sees the kernels run on the stacked components too)
+            out, collectives = issued(lambda: op(dx, dw, db))
+        assert collectives == [] and spmd.fetch_layout(out) == Layout(["batch", U], mesh)
+        assert "aten::bmm" not in {event.name for event in prof.events()}
+        for block, component in zip(x.chunk(mesh.size), spmd.unpack(out)):
+            torch.testing.assert_close(component, op(block, w, b))
+    if kind == "mm":  # (the one-device product is the kernel plain torch runs: equal bit for bit)
+        assert torch.equal(spmd.unpack(out)[0], x @ w)
+
+
 def test_a_same_sum_passes_linear_ops_and_meets_a_sum(mesh4):
     x, w, v = torch.randn(4, 8), torch.randn(8, 3), torch.randn(8, 3)
     dx = spmd.copy_to_mesh(x, Layout([U, "batch"], mesh4))

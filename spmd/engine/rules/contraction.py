@@ -90,9 +90,21 @@ def _contraction(call: OpCall, equation: str, product) -> Decision:
                     reduce=(reduced,) if reduced else (), reduce_op="same" if summed else "sum")
 
 
+def stacked_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Each device's matrix product of the stacked components `a` (L, M, K) and `b` (L, K, N). Where every device
+    holds the same `b` (one device, or a replicated weight held once) it is one matrix product of all devices'
+    rows, the kernel plain torch runs (on CPU a batched product of the same shapes takes ~20 % longer); else a
+    batched product."""
+    if b.shape[0] == 1:
+        return torch.mm(a[0], b[0]).unsqueeze(0)
+    if shared(b) and not shared(a):
+        return torch.matmul(a, b[0])  # (folds the devices' rows into one product where `a`'s memory allows)
+    return torch.bmm(a, b)
+
+
 @register(aten.mm.default, blockwise=True)
 def mm_rule(call: OpCall) -> Decision:
-    return _contraction(call, "mk,kn->mn", torch.bmm)
+    return _contraction(call, "mk,kn->mn", stacked_mm)
 
 
 @register(aten.bmm.default, blockwise=True)
@@ -147,7 +159,7 @@ def trilinear_rule(call: OpCall) -> Decision:
 
 # op: (the einsum of its product, the product of stacked local operands)
 _PRODUCTS = {
-    aten.addmm.default: ("mk,kn->mn", torch.matmul),
+    aten.addmm.default: ("mk,kn->mn", stacked_mm),
     aten.baddbmm.default: ("bmk,bkn->bmn", torch.matmul),
     aten.addmv.default: ("mk,k->m", lambda m, v: torch.matmul(m, v.unsqueeze(-1)).squeeze(-1)),
     aten.addr.default: ("m,n->mn", lambda u, v: u.unsqueeze(-1) * v.unsqueeze(-2)),
