@@ -183,8 +183,8 @@ def test_a_shared_gradient_coerced_to_a_traced_per_device_tangent_stays_per_devi
     contiguous, since our own `contiguous` of a replicated value would share it again (a batch-size mismatch in the
     compiled backward, seen on torch 2.11)."""
     grad = spmd.copy_to_mesh(torch.ones(()), Layout([], mesh4)).expand(4, 4)  # what `sum`'s backward gives
-    traced = spmd.copy_to_mesh(torch.randn(4, 4), Layout([U, U], mesh4)).contiguous()
-    traced = spmd.DTensor(traced._stack.contiguous(), traced._layout, traced.shape)
+    value = spmd.copy_to_mesh(torch.randn(4, 4), Layout([U, U], mesh4))
+    traced = spmd.DTensor(value._stack.contiguous(), value._layout, value.shape)  # (each device's own memory)
     coerced = grad.__coerce_same_metadata_as_tangent__(traced.__tensor_flatten__()[1])
     assert coerced.is_contiguous() and not shared(coerced._stack)
     assert coerced.__tensor_flatten__()[1] == traced.__tensor_flatten__()[1]
