@@ -36,7 +36,7 @@ if __package__ in (None, ""):
 
 import torch
 from torch._dynamo.utils import counters
-from torch.optim.optimizer import _default_to_fused_or_foreach
+from torch.optim import adam
 from torch.profiler import ProfilerActivity
 
 import spmd
@@ -191,7 +191,7 @@ def optimizer_path(opt) -> str:
     """Which AdamW implementation torch's defaults chose for these parameters (foreach on CUDA when it can)."""
     try:
         params = [p for g in opt.param_groups for p in g["params"]]
-        fused, foreach = _default_to_fused_or_foreach(params, False, False)
+        fused, foreach = adam._default_to_fused_or_foreach(params, False, False)  # (what AdamW consults)
         return "fused" if fused else "foreach" if foreach else "for-loop"
     except Exception as e:  # a private helper of torch: report rather than fail
         return f"unknown ({type(e).__name__})"

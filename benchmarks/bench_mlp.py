@@ -70,10 +70,11 @@ class CountOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def make_opt(name, params):
+def make_opt(name, params, foreach: bool | None = False):
+    """`foreach=None` is torch.optim's default path: the for-loop for plain CPU tensors, foreach for spmd's."""
     if name == "sgd":
-        return torch.optim.SGD(params, lr=1e-3, foreach=False)
-    return torch.optim.AdamW(params, lr=1e-3, foreach=False)
+        return torch.optim.SGD(params, lr=1e-3, foreach=foreach)
+    return torch.optim.AdamW(params, lr=1e-3, foreach=foreach)
 
 
 def to_spmd(net: Net, mesh, model_dim: str | None) -> Net:

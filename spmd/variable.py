@@ -8,7 +8,7 @@ import torch
 from spmd.api import copy_to_mesh
 from spmd.collectives.local import one_copy, share, shared
 from spmd.dtensor import DTensor, keep_grad_layout
-from spmd.engine import foreach
+from spmd.engine import optim
 from spmd.errors import LayoutError, MeshMismatchError
 from spmd.layout import Layout
 
@@ -114,7 +114,7 @@ class DVariable(DTensor):
         return "DVariable(" + super().__repr__()[len("DTensor("):]
 
 
-foreach.let_torch_optim_take(DTensor, DVariable)
+optim.let_torch_optim_take(DTensor, DVariable)
 
 
 def _copied(local: torch.Tensor, dtype) -> torch.Tensor:

@@ -318,8 +318,8 @@ class MLP(nn.Module):
         return self.fc2(F.gelu(self.fc1(x)))
 
 
-def _train(model, batches, to_input):
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+def _train(model, batches, to_input, foreach=None):
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, foreach=foreach)
     losses = []
     for x, y in batches:
         loss = F.mse_loss(model(to_input(x)), to_input(y))
@@ -330,7 +330,10 @@ def _train(model, batches, to_input):
     return losses
 
 
-def test_mlp_trains_like_one_process(mesh):
+@pytest.mark.parametrize("foreach", [False, True], ids=["for-loop", "foreach"])
+def test_mlp_trains_like_one_process(mesh, foreach):
+    """Also with the foreach update, whose ops on gradients still pending run position by position: on shadows
+    only, the workers run the foreach op they are sent (once)."""
     torch.manual_seed(0)
     model = MLP()
     batches = [(torch.randn(8, 16), torch.randn(8, 4)) for _ in range(5)]
@@ -342,7 +345,7 @@ def test_mlp_trains_like_one_process(mesh):
     spmd.distribute_module(model, mesh, layouts)
     assert isinstance(model.fc1.weight, RemoteDTensor)
     replayed = shadow_cache.STATS["checked"]
-    losses = _train(model, batches, lambda t: spmd.copy_to_mesh(t, Layout(["batch", U], mesh)))
+    losses = _train(model, batches, lambda t: spmd.copy_to_mesh(t, Layout(["batch", U], mesh)), foreach)
     assert shadow_cache.STATS["checked"] - replayed > 4 * 20  # steps 2-5 replayed their ops, checked
     assert losses == pytest.approx(expected, rel=1e-5, abs=1e-6)
 

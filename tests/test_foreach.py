@@ -7,6 +7,8 @@ import torch
 import spmd
 from spmd import UNSHARDED, Layout
 from spmd.collectives import Kind
+from spmd.collectives.local import shared
+from sweep import check_replicas
 from test_engine import issued
 
 MESH = spmd.create_mesh([("b", 2), ("m", 2)])
@@ -70,17 +72,126 @@ def _kernel_counts(fn):
 
 @pytest.mark.parametrize("mode", ["foreach", "fused"])
 def test_an_optimizer_step_runs_the_kernels_plain_torch_runs(mode):
-    """Lists that line up run as one multi-tensor kernel on the components: besides the multi-tensor ops
-    themselves (met once on DTensors, once on components), exactly the aten ops of plain torch's step run (CPU's
-    foreach kernels loop over the tensors), not one dispatch per parameter and element op."""
+    """torch.optim's update runs on the stacked components: exactly the aten ops of plain torch's step, each as
+    often (CPU's foreach kernels loop over the tensors) — no multi-tensor op called on DTensors first, no dispatch
+    per parameter and element op."""
     counts = []
     for ps in _params():
         opt = torch.optim.AdamW(ps, lr=0.1, **{mode: True})
         _loss(ps).backward()
         opt.step()
-        counts.append({op: n for op, n in _kernel_counts(opt.step).items()
-                       if op.startswith("aten::") and not op.startswith(("aten::_foreach_", "aten::_fused_"))})
+        counts.append({op: n for op, n in _kernel_counts(opt.step).items() if op.startswith("aten::")})
     assert counts[0] == counts[1]
+
+
+def test_optimizers_default_to_their_foreach_update_for_dtensors_on_every_device():
+    """Where the user names no path, torch keeps its for-loop for plain CPU tensors, while for DTensors the foreach
+    update runs (one kernel call per op on the stacks, not one dispatch per parameter and op): the same values."""
+    from torch.optim import adam, optimizer
+    dist, plain = _params()
+    assert adam._default_to_fused_or_foreach(plain, False) == optimizer._default_to_fused_or_foreach(plain, False)
+    assert adam._default_to_fused_or_foreach(plain, False) == (False, False)
+    opts = [torch.optim.AdamW(dist, lr=0.1), torch.optim.AdamW(plain, lr=0.1, foreach=True)]
+    counts = []
+    for ps, opt in zip((dist, plain), opts):
+        for _ in range(2):
+            _loss(ps).backward()
+            counts.append(_multi_tensor_counts(opt.step))
+            opt.zero_grad()
+    assert counts[1] == counts[3] and counts[1]
+    for d, p in zip(dist, plain):
+        torch.testing.assert_close(spmd.to_global(d), p.detach(), rtol=1e-10, atol=1e-12)
+
+
+MESH24 = spmd.create_mesh([("b", 2), ("m", 4)])
+# sharded over the whole mesh; over one dim (replicated over the other); replicated (one copy shared by all)
+LAYOUTS24 = [Layout(["b", "m"], MESH24), Layout(["m"], MESH24), Layout([UNSHARDED, UNSHARDED], MESH24)]
+ELEMENTWISE_OPTIMIZERS = [  # (name, options, modes): every branch of the updates that spmd runs on the stacks
+    ("SGD", {"lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 0.01}, ["foreach", "fused"]),
+    ("Adam", {"lr": 0.05, "amsgrad": True, "maximize": True}, ["foreach", "fused"]),
+    ("AdamW", {"lr": 0.05, "weight_decay": 0.1}, ["foreach", "fused"]),
+    ("Adagrad", {"lr": 0.1, "weight_decay": 0.01}, ["foreach", "fused"]),
+    ("RMSprop", {"lr": 0.01, "momentum": 0.5, "centered": True}, ["foreach"]),
+    ("Adamax", {"lr": 0.05, "weight_decay": 0.01}, ["foreach"]),
+    ("NAdam", {"lr": 0.05, "weight_decay": 0.01, "decoupled_weight_decay": True}, ["foreach"]),
+    ("RAdam", {"lr": 0.05}, ["foreach"]),
+    ("ASGD", {"lr": 0.05, "t0": 1.0}, ["foreach"]),
+    ("Adadelta", {"lr": 1.0, "weight_decay": 0.01}, ["foreach"]),
+    ("Rprop", {"lr": 0.01}, ["foreach"]),
+]
+
+
+def _multi_tensor_counts(fn) -> dict:
+    return {op: n for op, n in _kernel_counts(fn).items() if op.startswith(("aten::_foreach_", "aten::_fused_"))}
+
+
+@pytest.mark.parametrize("name,options,mode", [(name, options, mode) for name, options, modes in
+                                               ELEMENTWISE_OPTIMIZERS for mode in modes])
+def test_elementwise_optimizers_update_the_stacks_as_plain_torch_updates_its_tensors(name, options, mode):
+    """On 8 devices, with parameters sharded, partially replicated and replicated (one shared copy), and gradients
+    that arrive as pending sums: every device's component equals plain torch's after each step, the state keeps
+    the parameters' layouts, and from the second step on (when the state exists) each multi-tensor op runs once, on
+    the stacks, as often as in plain torch's step."""
+    torch.manual_seed(0)
+    values = [torch.randn(4, 8, dtype=torch.float64), torch.randn(8, dtype=torch.float64),
+              torch.randn(3, 4, dtype=torch.float64)]
+    x = torch.randn(6, 8, dtype=torch.float64)
+    plain = [v.clone().requires_grad_() for v in values]
+    dist = [spmd.DVariable(v, layout=layout) for v, layout in zip(values, LAYOUTS24)]
+    inputs = (x, spmd.copy_to_mesh(x, Layout(["b", UNSHARDED], MESH24)))
+    opts = [getattr(torch.optim, name)(ps, **{mode: True}, **options) for ps in (dist, plain)]
+    for step in range(3):
+        counts = []
+        for ps, opt, xs in zip((dist, plain), opts, reversed(inputs)):
+            loss = ((xs * ps[1]).tanh() @ ps[0].T @ ps[2].T).square().mean() + (ps[2] @ ps[0]).sin().sum()
+            loss.backward()
+            counts.append(_multi_tensor_counts(opt.step))
+            opt.zero_grad()
+        for d, p, layout in zip(dist, plain, LAYOUTS24):
+            assert spmd.fetch_layout(d) == layout
+            torch.testing.assert_close(spmd.to_global(d), p.detach(), rtol=1e-10, atol=1e-12)
+            check_replicas(d)
+        if step:
+            assert counts[0] == counts[1]
+    for p, state in opts[0].state.items():
+        for value in state.values():
+            if spmd.is_dtensor(value) and value.dim() > 0:
+                assert spmd.fetch_layout(value) == spmd.fetch_layout(p)
+
+
+@pytest.mark.parametrize("mode", ["foreach", "fused"])
+def test_a_shared_parameter_sharded_over_a_mesh_dim_of_one_device_is_not_written_through_its_expanded_view(mode):
+    """Sharded over a mesh dim of size 1 is the same on every device: the parameter starts as one shared copy, which
+    the update on the stacks never writes through its expanded view (torch refuses that write)."""
+    mesh = spmd.create_mesh([("b", 4), ("m", 1)])
+    torch.manual_seed(6)
+    value, x = torch.randn(4, 6, dtype=torch.float64), torch.randn(8, 4, dtype=torch.float64)
+    ps = [spmd.DVariable(value, layout=Layout([UNSHARDED, "m"], mesh)), value.clone().requires_grad_()]
+    inputs = [spmd.copy_to_mesh(x, Layout(["b", UNSHARDED], mesh)), x]
+    assert shared(ps[0]._stack)
+    opts = [torch.optim.AdamW([p], lr=0.05, **{mode: True}) for p in ps]
+    for _ in range(2):
+        for p, xs, opt in zip(ps, inputs, opts):
+            (xs @ p).tanh().sum().backward()
+            opt.step()
+            opt.zero_grad()
+    torch.testing.assert_close(spmd.to_global(ps[0]), ps[1].detach(), rtol=1e-10, atol=1e-12)
+    check_replicas(ps[0])
+
+
+def test_a_factored_optimizer_runs_op_by_op_on_dtensors(mesh22):
+    """Adafactor's update reduces over rows and columns, so it is not run on the stacks (where a row of a component
+    is not a row of the parameter): with the last axis sharded it still matches plain torch."""
+    torch.manual_seed(5)
+    value = torch.randn(4, 8, dtype=torch.float64)
+    ps = [spmd.DVariable(value, layout=Layout(["x", "y"], mesh22)), value.clone().requires_grad_()]
+    opts = [torch.optim.Adafactor([p], lr=0.05, foreach=True) for p in ps]
+    for _ in range(2):
+        for p, opt in zip(ps, opts):
+            p.sin().sum().backward()
+            opt.step()
+            opt.zero_grad()
+    torch.testing.assert_close(spmd.to_global(ps[0]), ps[1].detach(), rtol=1e-10, atol=1e-12)
 
 
 def test_in_place_foreach_relayouts_the_lists_it_reads(mesh22):

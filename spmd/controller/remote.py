@@ -78,7 +78,9 @@ class RemoteDTensor(DTensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         session = _session_of(args)
-        if session is None:  # fakes of controller DTensors, traced by `spmd.function`: the engine decides alone
+        # fakes of controller DTensors, traced by `spmd.function`, and the ops the engine runs itself on shadows
+        # (a multi-tensor op position by position): the engine decides alone, the workers run the op called
+        if session is None or _SHADOW[0]:
             with shadow():
                 return DTensor.__torch_dispatch__(func, types, args, kwargs)
         return session.run_op(func, args, kwargs or {})

@@ -14,8 +14,6 @@ import functools
 import operator
 
 import torch
-import torch.utils._foreach_utils
-from torch.optim import optimizer
 
 from spmd.collectives import backend_for
 from spmd.collectives.local import one_copy, share, shared
@@ -32,7 +30,7 @@ _NOT_ELEMENTWISE = {"aten::_foreach_norm", "aten::_foreach_max", "aten::_foreach
 # plain tensors a fused kernel takes beside the DTensor lists: per-parameter steps, AMP's scaler state, a tensor lr
 _PLAIN_ARGUMENTS = {"state_steps", "grad_scale", "found_inf", "inv_scale", "lr", "scalars"}
 _KEY, _STACK, _PENDING, _COPIED_VIEW = map(operator.attrgetter, ("_key", "_stack", "_pending", "_copied_view"))
-# key lists found equal: (id of the first layout of each, length) -> the two lists (see _same_keys)
+# key lists found equal: (id of the first layout of each, length) -> the two lists (see same_keys)
 _AGREED: dict = {}
 _AGREED_LIMIT = 1024
 
@@ -40,13 +38,6 @@ _AGREED_LIMIT = 1024
 def is_multi_tensor(func) -> bool:
     name = func._schema.name
     return name.startswith("aten::_foreach_") or name in _FUSED
-
-
-def let_torch_optim_take(*types) -> None:
-    """Makes torch.optim and `clip_grad_norm_` choose their foreach paths for these tensor types where they would
-    for plain tensors (on CUDA by default), as torch does for its own DTensor."""
-    for supported in (optimizer._foreach_supported_types, torch.utils._foreach_utils._foreach_supported_types):
-        supported.extend(t for t in types if t not in supported)
 
 
 def run(func, args, kwargs):
@@ -129,20 +120,31 @@ def _line_up(func, signature: _Signature, args, kwargs):
 
 
 def _once_where_shared(signature: _Signature, named, stacked) -> None:
-    """At the positions whose written tensors (for an out-of-place op: the first list's) are all one copy shared by
-    every device (a value replicated over the whole mesh: see engine/dispatch.py), the op runs once, on the first
-    device's components of every list. A position where only some written tensors are shared gives those each
-    device's own memory first."""
+    """The lists' stacks at the positions where the op's written tensors (for an out-of-place op: the first list's)
+    are one copy shared by every device: see `once_where_shared`."""
     lists = [name for name in signature.tensor_lists if name not in _PLAIN_ARGUMENTS and stacked.get(name)]
     written = [name for name in lists if _written(signature, name, named)] if signature.in_place else lists[:1]
-    for i, shares in enumerate(zip(*(map(shared, stacked[name]) for name in written))):
+    once_where_shared([stacked[name] for name in lists], [lists.index(name) for name in written],
+                      [named[name] for name in lists])
+
+
+def once_where_shared(stacks: list[list], written: list[int], tensors: list[list]) -> None:
+    """At the positions whose written stacks (`stacks[i]` for i in `written`) are all one copy shared by every
+    device (a value replicated over the whole mesh: see engine/dispatch.py), the op runs once: every list's stack
+    there becomes the first device's components. A position where only some written stacks are shared gives those
+    each device's own memory first, kept by their DTensors (`tensors`, the lists the stacks came from, all laid out
+    at each position as the first list)."""
+    for i, reference in enumerate(tensors[0]):
+        if max(reference._layout.num_shards_per_axis(), default=1) > 1:  # (only a value the same on every
+            continue  # device is shared)
+        shares = [shared(stacks[w][i]) for w in written]
         if all(shares):
-            for name in lists:
-                stacked[name][i] = one_copy(stacked[name][i])
-        elif any(shares) and signature.in_place:
-            for name, is_shared in zip(written, shares):
-                if is_shared and stacked[name][i] is named[name][i]._stack:
-                    named[name][i]._stack = stacked[name][i] = stacked[name][i].contiguous()
+            for s in stacks:
+                s[i] = one_copy(s[i])
+        elif any(shares):
+            for w, is_shared in zip(written, shares):
+                if is_shared and stacks[w][i] is tensors[w][i]._stack:
+                    tensors[w][i]._stack = stacks[w][i] = stacks[w][i].contiguous()
 
 
 def _written(signature: _Signature, name: str, named) -> bool:
@@ -155,7 +157,7 @@ def _written(signature: _Signature, name: str, named) -> bool:
 def _stacks(tensors, reference, reference_keys, relayout: bool, resolve: bool, name: str):
     """The stacked components of a list of tensors laid out as the `reference` list, or why not."""
     try:
-        if _same_keys(list(map(_KEY, tensors)), reference_keys):  # the common case: layout, shape, dtype equal
+        if same_keys(list(map(_KEY, tensors)), reference_keys):  # the common case: layout, shape, dtype equal
             return list(map(_STACK, tensors))  # (the reference's keys hold no pending reduction)
     except AttributeError:  # plain tensors in the list
         if name in _PLAIN_ARGUMENTS and not any(isinstance(t, DTensor) for t in tensors):
@@ -164,7 +166,7 @@ def _stacks(tensors, reference, reference_keys, relayout: bool, resolve: bool, n
     return next((s for s in stacks if isinstance(s, str)), stacks)
 
 
-def _same_keys(keys: list, reference_keys: list) -> bool:
+def same_keys(keys: list, reference_keys: list) -> bool:
     """`keys == reference_keys`, remembered. Equal layouts are often distinct objects (each parameter's own, the
     cached plans'), and comparing them runs `Layout.__eq__` per element; the lists of a later step hold the same
     key tuples, or tuples of the same layout objects, which compare without it. So a pair found equal is kept, and
