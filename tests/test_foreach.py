@@ -1,8 +1,10 @@
 """Multi-tensor ops on DTensors: `torch._foreach_*` (torch.optim with foreach=True, gradient clipping) and the fused
-optimizer kernels (fused=True), run as one kernel per list on the stacked components where the lists line up."""
+optimizer kernels (fused=True), run as one kernel per list on the stacked components where the lists line up; and
+torch.optim's elementwise updates, run on the stacked components themselves."""
 
 import pytest
 import torch
+from torch.optim import adam, optimizer
 
 import spmd
 from spmd import UNSHARDED, Layout
@@ -87,7 +89,6 @@ def test_an_optimizer_step_runs_the_kernels_plain_torch_runs(mode):
 def test_optimizers_default_to_their_foreach_update_for_dtensors_on_every_device():
     """Where the user names no path, torch keeps its for-loop for plain CPU tensors, while for DTensors the foreach
     update runs (one kernel call per op on the stacks, not one dispatch per parameter and op): the same values."""
-    from torch.optim import adam, optimizer
     dist, plain = _params()
     assert adam._default_to_fused_or_foreach(plain, False) == optimizer._default_to_fused_or_foreach(plain, False)
     assert adam._default_to_fused_or_foreach(plain, False) == (False, False)
@@ -271,7 +272,6 @@ def test_fused_step_refuses_a_plain_gradient_with_a_clear_error(mesh22):
 
 def test_torch_optim_defaults_to_foreach_for_dtensors_where_it_does_for_plain_tensors(monkeypatch):
     """On CUDA torch.optim picks its foreach path by default for the tensor types it knows; spmd's are among them."""
-    from torch.optim import optimizer
     monkeypatch.setattr(optimizer, "_get_foreach_kernels_supported_devices", lambda: ["cpu"])
     dist, plain = _params()
     assert optimizer._default_to_fused_or_foreach(plain, differentiable=False) == (False, True)

@@ -135,8 +135,8 @@ def once_where_shared(stacks: list[list], written: list[int], tensors: list[list
     each device's own memory first, kept by their DTensors (`tensors`, the lists the stacks came from, all laid out
     at each position as the first list)."""
     for i, reference in enumerate(tensors[0]):
-        if max(reference._layout.num_shards_per_axis(), default=1) > 1:  # (only a value the same on every
-            continue  # device is shared)
+        if max(reference._layout.num_shards_per_axis(), default=1) > 1:
+            continue  # (only a value that every device holds alike is shared)
         shares = [shared(stacks[w][i]) for w in written]
         if all(shares):
             for s in stacks:
