@@ -7,6 +7,9 @@ moment over rows and columns), spmd hands that grouping the DTensors' stacked co
 runs torch's own multi-tensor kernels on plain tensors: no DTensor dispatch per op and list element, so its cost is
 plain torch's over tensors of the stacks' size. Lists that do not line up (a gradient laid out unlike its parameter,
 state not created yet, a plain tensor among DTensors) stay DTensors, and each op runs through engine/foreach.py.
+
+The same optimizers take their foreach update by default for DTensor parameters, on every device (plain torch keeps
+its for-loop on CPU, where for DTensors it would cost one dispatch per parameter and op).
 """
 
 from __future__ import annotations
