@@ -104,7 +104,7 @@ def bench_engine(engine: str, quick: bool) -> dict:
             ctl.sync()
             seconds.append(time.perf_counter() - t)
         mib_s = big.numel() * 4 / 2 ** 20 / min(seconds)
-        steps = step_ms(mesh, 5 if quick else 30, quick)
+        steps = step_ms(mesh, 5 if quick else 100, quick)
     finally:
         ctl.shutdown()
     return {"cold_start_s": cold, "op_waited_ms": waited_ms, "op_pipelined_ms": pipelined_ms,
@@ -127,7 +127,7 @@ def bench_multiclient(quick: bool) -> dict:
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port), OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
         procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), "--client",
-                                       str(5 if quick else 30)] + (["--quick"] if quick else []), env=env,
+                                       str(5 if quick else 100)] + (["--quick"] if quick else []), env=env,
                                       stdout=subprocess.PIPE, text=True))
     outs = [p.communicate(timeout=600)[0] for p in procs]
     line = next(l for l in outs[0].splitlines() if l.startswith("RESULT "))

@@ -102,6 +102,7 @@ class DTensor(torch.Tensor):
         if layout is not None:
             self._layout = layout
         self._pending = ()
+        local.__dict__.pop("_spmd_flat", None)  # (an in-place view op may have changed its strides)
         self._key = (self._layout, tuple(self.shape), local.dtype)
 
     # -- torch.compile: a traceable wrapper subclass --------------------------------------------------------------
@@ -111,13 +112,21 @@ class DTensor(torch.Tensor):
     # over the whole mesh: see collectives/local.py) enters and leaves a graph as its one copy, with the number of
     # devices sharing it as metadata, so the graph computes, and updates, it once. A pending reduction never crosses
     # a graph boundary: it is resolved here.
-    # Compiled code's guards flatten every DTensor argument on every call (twice): the common case is kept short.
+    # Compiled code's guards flatten every DTensor argument on every call (twice): the result is kept on the stack it
+    # describes, for this layout (`_settle`, where an in-place view op may change the stack's strides, drops it).
     def __tensor_flatten__(self):
+        stack, layout = self._stack, self._layout
+        if not self._pending:
+            flat = stack.__dict__.get("_spmd_flat")
+            if flat is not None and flat[0] is layout:
+                return flat[1]
         prepare_dynamo()  # (already done when torch.compile imported Dynamo, unless its loader was unusual)
-        stack = self._stack
         if self._pending:
             stack = self._prepare_for_graph()
-        return ["_inner"], (self._layout, stack.stride(), stack.shape[0] if shared(stack) else None)
+        flat = ["_inner"], (layout, stack.stride(), stack.shape[0] if shared(stack) else None)
+        if type(stack) is torch.Tensor:  # (a traced stack is flattened once per trace)
+            stack._spmd_flat = (layout, flat)
+        return flat
 
     @property
     def _inner(self) -> torch.Tensor:
@@ -125,7 +134,7 @@ class DTensor(torch.Tensor):
         in both cases, and never a view of a real tensor: Dynamo fakes a parameter's gradient with the parameter's
         symbolic context where both look alike, and with dynamic sizes (which spmd's rules do not take) where not."""
         stack = self._stack
-        if not traced(stack):
+        if type(stack) is torch.Tensor or not traced(stack):
             if not stack._is_view() and not shared(stack):
                 return stack
             inner = getattr(stack, "_spmd_inner", None)  # (kept: guards compare their inputs' identities)
@@ -313,8 +322,8 @@ def keep_grad_layout(leaf: DTensor) -> None:
             return grad
         if not isinstance(grad, DTensor):  # a formula made it from scratch (zeros): a global value, laid out
             return _engine.distributed(grad.expand(leaf.shape).contiguous(), layout)
-        if grad._layout != layout:  # a pending reduction of `grad` becomes a reduce-scatter where it can
-            grad = relayout_op(grad, layout.to_string())
+        if grad._layout is not layout and grad._layout != layout:  # a pending reduction of `grad` becomes a
+            grad = relayout_op(grad, layout.to_string())  # reduce-scatter where it can
         return grad  # (AccumulateGrad gives it the leaf's strides, as for plain tensors)
 
     leaf._grad_layout_hook = leaf.register_hook(to_leaf_layout)

@@ -9,7 +9,6 @@ broadcast to replicated DTensors, `out_layouts=` constrains the results, `explai
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import types
 import warnings
@@ -100,13 +99,13 @@ class Function:
         # each new layout is a trace: allow more than torch's default of 8 per function before it stops compiling
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, MAX_TRACES)
         self._compiled = torch.compile(_own_code(self._body), backend=self._counting, fullgraph=fullgraph,
-                                       dynamic=dynamic)
+                                       dynamic=dynamic, options={"guard_filter_fn": _needed_guards})
 
     def __call__(self, *args, **kwargs):
         args, kwargs = self._broadcast(args, kwargs)
         traces, breaks = self._traces, _graph_breaks()
         try:
-            with _running():
+            with _running:
                 out = self._compiled(*args, **kwargs)
         except torch._dynamo.exc.TorchDynamoException as e:
             raise _failed_trace(self._fn, e) from None
@@ -145,7 +144,7 @@ class Function:
             raise _Captured
 
         try:
-            with _running():
+            with _running:
                 torch.compile(_own_code(self._body), backend=capture, dynamic=self.options["dynamic"])(*args, **kwargs)
         except torch._dynamo.exc.TorchDynamoException as e:
             if not isinstance(getattr(e, "inner_exception", None), _Captured):
@@ -174,7 +173,9 @@ class Function:
 
     def _broadcast(self, args, kwargs):
         """The seeds' autobroadcast: plain tensor arguments become replicated DTensors on the DTensors' mesh."""
-        leaves = pytree.tree_leaves((args, kwargs))
+        leaves = [*args, *kwargs.values()]
+        if not all(map(_is_leaf, leaves)):  # (the common case: no containers)
+            leaves = pytree.tree_leaves(leaves)
         mesh = next((t._layout.mesh for t in leaves if isinstance(t, DTensor)), None)
         if mesh is None or not any(_is_plain(t) for t in leaves):
             return args, kwargs
@@ -205,17 +206,25 @@ def active() -> bool:
     return _ACTIVE[0] > 0
 
 
-@contextlib.contextmanager
-def _running():
+class _Running:
     """An `spmd.function` running. The seeds' rule: a tensor the function makes without a layout (`torch.ones`,
     `torch.arange`) takes the layout propagation gives it where it meets DTensors — replicated, which the rules
-    then shard as the ops need. (Traces run here, so the scope covers every traced op.)"""
-    _ACTIVE[0] += 1
-    try:
-        with EAGER_IMPLICIT_REPLICATION:
-            yield
-    finally:
+    then shard as the ops need. (Traces run here, so the scope covers every traced op.) A class, not a generator:
+    it is entered on every call."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        _ACTIVE[0] += 1
+        EAGER_IMPLICIT_REPLICATION.__enter__()
+
+    def __exit__(self, *exc) -> bool:
+        EAGER_IMPLICIT_REPLICATION.__exit__()
         _ACTIVE[0] -= 1
+        return False
+
+
+_running = _Running()
 
 
 def _remote_of(gm, example_inputs):
@@ -223,6 +232,10 @@ def _remote_of(gm, example_inputs):
     attrs = [getattr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"]
     mesh = next((t._layout.mesh for t in [*example_inputs, *attrs] if isinstance(t, DTensor)), None)
     return None if mesh is None else mesh.remote
+
+
+def _is_leaf(t) -> bool:
+    return isinstance(t, torch.Tensor) or not (type(t) in pytree.SUPPORTED_NODES or isinstance(t, (tuple, list, dict)))
 
 
 def _is_plain(t) -> bool:
@@ -260,6 +273,17 @@ def graph_bucket_cap_mb(bucket_index: int) -> float:
     """The size of each all-reduce bucket inductor forms in a compiled graph (a named function: the compiled
     graph cache pickles it)."""
     return GRAPH_BUCKET_CAP_MB
+
+
+_INNER_NAMES = ".__tensor_flatten__()[0]"
+
+
+def _needed_guards(guards) -> list[bool]:
+    """Dynamo's guards of a traced frame, less the one on the names of each DTensor argument's inner tensors, which
+    are always `["_inner"]`: each guard on a DTensor is a Python call on every call of the compiled code."""
+    dtensors = {g.name for g in guards if g.guard_type == "TYPE_MATCH" and isinstance(g.value, DTensor)}
+    return [not (g.guard_type == "EQUALS_MATCH" and g.name.endswith(_INNER_NAMES)
+                 and g.name[:-len(_INNER_NAMES)] in dtensors) for g in guards]
 
 
 def _own_code(method) -> Callable:

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import warnings
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -545,7 +546,8 @@ def test_relayout_constraint_moves_back_over_elementwise_ops(mesh22):
     for got, want in zip(*results, strict=True):
         assert spmd.fetch_layout(got) == spmd.fetch_layout(want)
         for g, w in zip(components(got), components(want), strict=True):  # (float32 values, as Python floats)
-            torch.testing.assert_close(g, w, rtol=1.3e-6, atol=1e-5)
+            scale = float(np.abs(np.asarray(w)).max())  # (fused kernels sum in another order: ulps of the largest)
+            torch.testing.assert_close(g, w, rtol=1.3e-6, atol=4 * torch.finfo(torch.float32).eps * scale)
 
 
 def test_relayout_constraint_stays_where_moving_it_would_move_data(mesh22):

@@ -124,5 +124,7 @@ def decode(value, table, meshes, device):
     return value
 
 
-def layout_on(mesh, specs) -> Layout:
+@functools.lru_cache(maxsize=4096)
+def layout_on(mesh, specs: tuple) -> Layout:
+    """The Layout of `specs` on `mesh` (kept: instructions and graph results name the same few layouts again)."""
     return Layout(list(specs), mesh)
