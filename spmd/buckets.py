@@ -10,7 +10,9 @@ pending sum crosses clients is, as soon as it is accumulated (a post-accumulate-
   3. resolved when something reads it (`dispatch.resolve`): the wait for its own bucket, then its slice copied
      back to the local members.
 Open buckets are flushed when backward ends. Buckets form in the order gradients arrive, which is the same on
-every client (SPMD), so every client issues the same collectives in the same order.
+every client (SPMD), so every client issues the same collectives in the same order. A bucket sums into the buffer of
+the last backward's bucket of its size once no gradient reads from that buffer any more (DDP keeps its buckets too):
+memory fresh from the system costs a page fault per page, more than the copy into it.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class _Bucket:
         self.partials: list[torch.Tensor] = []
         self.nbytes = 0
         self.handle = None
+        self.users = 0  # the tensors holding the buffer's memory when it was filled (the buffer's own)
 
     def add(self, grad: DTensor) -> None:
         partial = self.comm.partial_sums(grad._stack, self.batch)
@@ -49,10 +52,20 @@ class _Bucket:
         self.nbytes += partial.numel() * partial.element_size()
         grad._bucket = self
 
-    def launch(self) -> None:
-        flat = torch.cat([p.reshape(-1) for p in self.partials])
+    def launch(self, spare: torch.Tensor | None = None) -> None:
+        """Starts the sum of the partial sums, flattened into `spare` (a free buffer of their size) or new memory."""
+        flat = torch.cat([p.reshape(-1) for p in self.partials], out=spare)
         self.partials = []
+        self.users = _users(flat)
         self.handle = self.comm.sum_async(flat, self.mesh, self.dims, self.batch)
+
+    def free_buffer(self) -> torch.Tensor | None:
+        """Its (summed) buffer once every gradient took its part and none holds it any more (a gradient whose
+        client holds one member of its group is a view of it); else None."""
+        if self.handle is None or self.slots:
+            return None
+        flat = self.handle.wait()
+        return flat if _users(flat) <= self.users else None
 
     def settle(self, grad: DTensor) -> bool:
         """Resolves `grad` from this bucket's sum; False (and nothing done) when the bucket does not hold its
@@ -80,6 +93,7 @@ class GradBuckets:
         self.sync = True  # False inside `no_sync`
         self._open: dict[tuple, _Bucket] = {}
         self._launched: list[_Bucket] = []  # this backward's buckets, awaited when the next one starts
+        self._previous: list[_Bucket] = []  # the last backward's: their free buffers take this one's sums
         self._in_backward = False
         self._routes: dict[tuple, tuple | None] = {}
         params = [p for p in module.parameters() if isinstance(p, DTensor) and p.requires_grad]
@@ -120,22 +134,38 @@ class GradBuckets:
             self._launch(key)
 
     def _start_backward(self) -> None:
-        for bucket in self._launched:  # long done: surfaces a failure, frees the buffers nobody read
+        for bucket in self._launched:  # long done: surfaces a failure
             bucket.handle.wait()
-        self._launched = []
+        self._previous, self._launched = self._launched, []
         self._in_backward = True
         torch.autograd.Variable._execution_engine.queue_callback(self._flush)
 
     def _launch(self, key) -> None:
         bucket = self._open.pop(key)
-        bucket.launch()
+        bucket.launch(self._spare(bucket))
         self._launched.append(bucket)
+
+    def _spare(self, bucket: _Bucket) -> torch.Tensor | None:
+        """A free buffer of the last backward for `bucket`'s partial sums (the same model makes the same buckets)."""
+        first = bucket.partials[0]
+        numel = bucket.nbytes // first.element_size()
+        for i, old in enumerate(self._previous):
+            flat = old.free_buffer()
+            if flat is not None and flat.numel() == numel and flat.dtype == first.dtype and flat.device == first.device:
+                del self._previous[i]
+                return flat
+        return None
 
     def _flush(self) -> None:
         """At the end of backward: the partly filled buckets."""
         for key in list(self._open):
             self._launch(key)
         self._in_backward = False
+
+
+def _users(t: torch.Tensor) -> int:
+    """How many tensors (views included) hold `t`'s memory."""
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
 
 
 def bucket_gradients(module: nn.Module, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB) -> GradBuckets | None:

@@ -522,6 +522,38 @@ def bucketed_training():
     _result(out)
 
 
+def bucket_buffers():
+    """Four SGD steps of a small MLP, each backward one bucket: the buffers the buckets were summed in (kept, so
+    that a new buffer cannot land where an old one was), and whether the gradients the user kept after step 2 still
+    hold their values after steps 3 and 4."""
+    import torch
+    import spmd
+    from spmd import UNSHARDED as U, Layout
+    from spmd.collectives.distributed import DistributedCollectives
+    spmd.initialize_accelerator_system("CPU", num_logical_cpu_devices=1)
+    mesh = spmd.create_distributed_mesh([("batch", 2)])
+    buffers, sum_async = [], DistributedCollectives.sum_async
+
+    def recording(self, buf, *args):
+        buffers.append(buf)
+        return sum_async(self, buf, *args)
+    DistributedCollectives.sum_async = recording
+    torch.manual_seed(0)
+    model = spmd.distribute_module(torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4)),
+                                   mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = spmd.copy_to_mesh(torch.randn(16, 8), Layout(["batch", U], mesh))
+    for step in range(4):
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+        if step == 1:
+            kept = [p.grad for p in model.parameters()]
+            values = [spmd.to_global(g).clone() for g in kept]
+    _result({"buffers": [b.data_ptr() for b in buffers],
+             "kept_unchanged": all(torch.equal(spmd.to_global(g), v) for g, v in zip(kept, values))})
+
+
 def donated_all_reduce():
     """A pending sum resolved by the op that reads it: all-reduced in its own memory when nothing else holds that
     memory, into a copy when something does (the holder keeps the partial sums)."""

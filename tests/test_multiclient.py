@@ -137,6 +137,14 @@ def test_bucketed_gradients_match_one_process(per_client, dims):
         assert all(step.count(True) == 1 and step.count(False) == 2 for step in calls), calls
 
 
+def test_a_bucket_sums_in_the_last_backwards_buffer_once_no_gradient_holds_it():
+    """Each backward's one bucket reuses the last backward's buffer, except after the user kept step 2's gradients
+    (views of it): step 3 takes new memory, step 4 reuses step 3's, and the kept gradients keep their values."""
+    for r in launch("bucket_buffers"):
+        first, second, third, fourth = r["buffers"]
+        assert first == second and third == fourth and second != third and r["kept_unchanged"], r
+
+
 def test_pending_sum_is_reduced_in_its_own_memory_unless_shared():
     """gloo all-reduces in place: a pending sum that nothing else holds is reduced where it is (no copy); one whose
     memory another tensor holds is reduced into a copy, the holder's partial sums untouched."""
