@@ -17,6 +17,7 @@ import os
 import statistics
 import sys
 import time
+import types
 
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -96,7 +97,9 @@ def make_step(model, opt):
         opt.step()
         opt.zero_grad()
         return loss
-    return step
+    # a code object of its own: Dynamo keeps its compiled code (and the resume functions after backward() and the
+    # optimizer's step) per code object, and the variants timed in turn must not walk each other's entries
+    return types.FunctionType(step.__code__.replace(), step.__globals__, step.__name__, None, step.__closure__)
 
 
 def build(variant: str, case):
@@ -123,31 +126,35 @@ def loss_value(loss) -> float:
 
 
 def measure(case, steps: int, reps: int) -> dict:
-    out = {}
+    """Each variant's first call (compile time) and losses, then its step time: the variants timed in turn, one
+    repetition each per round, so that the machine's drift reaches all of them alike."""
+    out, built = {}, {}
     for variant in VARIANTS:
         step, data = build(variant, case)
         start = time.perf_counter()
         first = loss_value(step(*data[0]))  # compiles the compiled variants
         compile_s = time.perf_counter() - start
         losses = [first] + [loss_value(step(*data[i % len(data)])) for i in range(1, 4)]
-        runs = []
-        for _ in range(reps):
+        built[variant] = step, data
+        out[variant] = {"runs": [], "first_call_s": compile_s, "losses": losses}
+    for _ in range(reps):
+        for variant, (step, data) in built.items():
             t = time.perf_counter()
             for i in range(steps):
                 step(*data[i % len(data)])
             if spmd.is_dtensor(data[0][0]):
                 spmd.to_global(data[0][0])  # nothing is asynchronous on CPU; kept symmetric for GPUs
-            runs.append((time.perf_counter() - t) / steps * 1e3)
-        out[variant] = {"ms": statistics.median(runs), "runs": runs, "first_call_s": compile_s, "losses": losses}
+            out[variant]["runs"].append((time.perf_counter() - t) / steps * 1e3)
     ref = out["plain"]["losses"]
     for v in VARIANTS:
+        out[v]["ms"] = statistics.median(out[v]["runs"])
         out[v]["max_loss_rel_diff"] = max(abs(a - b) / abs(b) for a, b in zip(out[v]["losses"], ref))
     return out
 
 
 def caption(data: dict) -> str:
     return (f"{data['environment']}; median of {data['reps']} repetitions of {data['steps']} steps; "
-            "`benchmarks/bench_function.py`.")
+            "variants timed in turn; `benchmarks/bench_function.py`.")
 
 
 def readme_table(data: dict) -> str:
@@ -175,7 +182,7 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="tiny models and few steps: a smoke run")
     p.add_argument("--steps", type=int, default=None, help="steps per timing repetition (default 20)")
-    p.add_argument("--reps", type=int, default=None, help="repetitions, median reported (default 5)")
+    p.add_argument("--reps", type=int, default=None, help="repetitions, median reported (default 9)")
     p.add_argument("--threads", type=int, default=1, help="torch threads")
     output_arguments(p, "function")
     a = p.parse_args(argv)
@@ -183,7 +190,7 @@ def main(argv=None) -> dict:
         return update_readme("function", readme_table, a.out)
     torch.set_num_threads(a.threads)
     steps = a.steps or (2 if a.quick else 20)
-    reps = a.reps or (1 if a.quick else 5)
+    reps = a.reps or (1 if a.quick else 9)
     cases = {}
     for make in (mlp_case, gpt_case):
         case = make(a.quick)

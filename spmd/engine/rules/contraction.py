@@ -93,17 +93,17 @@ def _contraction(call: OpCall, equation: str, product) -> Decision:
 def stacked_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Each device's matrix product of the stacked components `a` (L, M, K) and `b` (L, K, N). Where every device
     holds the same `b` (one device, or a replicated weight held once) it is one matrix product of all devices'
-    rows, the kernel plain torch runs (on CPU a batched product of the same shapes takes ~20 % longer); else a
-    batched product, also in a graph traced for the CPU (inductor's CPU code for the batched product measured
-    ~15 % faster there)."""
+    rows, the kernel plain torch runs (on CPU a batched product of the same shapes takes ~10-20 % longer); else a
+    batched product. A graph traced for the CPU takes the batched product for one device too (inductor's CPU
+    code for it measured ~15 % faster there)."""
     tracing = traced(a)
+    if shared(b) and not shared(a):
+        return torch.matmul(a, b[0])  # (folds the devices' rows into one product where `a`'s memory allows)
     if tracing and a.device.type == "cpu":
         return torch.bmm(a, b)
     if b.shape[0] == 1:  # (in eager mode not a view: a view as the components costs copies, e.g. before gloo)
         product = torch.mm(a[0], b[0])
         return product.unsqueeze(0) if tracing else product.unsqueeze_(0)
-    if shared(b) and not shared(a):
-        return torch.matmul(a, b[0])  # (folds the devices' rows into one product where `a`'s memory allows)
     return torch.bmm(a, b)
 
 
