@@ -99,10 +99,10 @@ class DTensor(torch.Tensor):
     def _settle(self, local: torch.Tensor, layout: Layout | None = None) -> None:
         """Takes `local` as its components (the engine resolved its pending reduction, or rebound it)."""
         self._stack = local
-        if layout is not None:
+        if layout is not None:  # rebound by an in-place view op, which may have changed the stack's strides in place
             self._layout = layout
+            local.__dict__.pop("_spmd_flat", None)
         self._pending = ()
-        local.__dict__.pop("_spmd_flat", None)  # (an in-place view op may have changed its strides)
         self._key = (self._layout, tuple(self.shape), local.dtype)
 
     # -- torch.compile: a traceable wrapper subclass --------------------------------------------------------------
@@ -113,7 +113,7 @@ class DTensor(torch.Tensor):
     # devices sharing it as metadata, so the graph computes, and updates, it once. A pending reduction never crosses
     # a graph boundary: it is resolved here.
     # Compiled code's guards flatten every DTensor argument on every call (twice): the result is kept on the stack it
-    # describes, for this layout (`_settle`, where an in-place view op may change the stack's strides, drops it).
+    # describes, for this layout (`_settle` drops it where an in-place view op rebinds the DTensor).
     def __tensor_flatten__(self):
         stack, layout = self._stack, self._layout
         if not self._pending:
