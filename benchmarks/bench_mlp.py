@@ -71,7 +71,7 @@ class CountOps(TorchDispatchMode):
 
 
 def make_opt(name, params, foreach: bool | None = False):
-    """`foreach=None` is torch.optim's default path: the for-loop for plain CPU tensors, foreach for spmd's."""
+    """`foreach=None` is torch.optim's default path (on CPU the for-loop, which spmd runs on the stacks)."""
     if name == "sgd":
         return torch.optim.SGD(params, lr=1e-3, foreach=foreach)
     return torch.optim.AdamW(params, lr=1e-3, foreach=foreach)

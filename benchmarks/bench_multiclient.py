@@ -365,8 +365,8 @@ def report(data: dict) -> str:
                   "compiled with `spmd.function(fullgraph=False)` (inductor merges the backward graph's gradient "
                   "all-reduces into 25 MB buckets); DDP: `DistributedDataParallel` on each client's half; torch DT: "
                   "`distribute_module` (parameters `Replicate()`), data `DTensor.from_local(..., [Shard(0)])`. "
-                  "Optimisers on torch.optim's default path (the for-loop for plain CPU tensors and torch DT, the "
-                  "foreach update on the stacked components for spmd). Loss diff: max |loss − DDP's loss| over the first "
+                  "Optimisers on torch.optim's default path (the for-loop on CPU; spmd runs it on the stacked "
+                  "components). Loss diff: max |loss − DDP's loss| over the first "
                   "steps (same data, same initial weights).", ""]
         rows = []
         for opt in ("sgd", "adamw"):

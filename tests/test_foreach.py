@@ -86,18 +86,19 @@ def test_an_optimizer_step_runs_the_kernels_plain_torch_runs(mode):
     assert counts[0] == counts[1]
 
 
-def test_optimizers_default_to_their_foreach_update_for_dtensors_on_every_device():
-    """Where the user names no path, torch keeps its for-loop for plain CPU tensors, while for DTensors the foreach
-    update runs (one kernel call per op on the stacks, not one dispatch per parameter and op): the same values."""
+def test_optimizers_take_plain_torchs_default_path_and_run_it_on_the_stacks():
+    """Where the user names no path, an optimizer takes the one it takes for plain tensors (the for-loop on CPU),
+    and runs it on the stacked components: the same element kernels as plain torch's step, each as often (no
+    dispatch per parameter and op), and the same values."""
     dist, plain = _params()
-    assert adam._default_to_fused_or_foreach(plain, False) == optimizer._default_to_fused_or_foreach(plain, False)
+    assert adam._default_to_fused_or_foreach(dist, False) == adam._default_to_fused_or_foreach(plain, False)
     assert adam._default_to_fused_or_foreach(plain, False) == (False, False)
-    opts = [torch.optim.AdamW(dist, lr=0.1), torch.optim.AdamW(plain, lr=0.1, foreach=True)]
+    opts = [torch.optim.AdamW(ps, lr=0.1) for ps in (dist, plain)]
     counts = []
     for ps, opt in zip((dist, plain), opts):
         for _ in range(2):
             _loss(ps).backward()
-            counts.append(_multi_tensor_counts(opt.step))
+            counts.append(_update_counts(opt.step, "loop"))
             opt.zero_grad()
     assert counts[1] == counts[3] and counts[1]
     for d, p in zip(dist, plain):
@@ -108,22 +109,28 @@ MESH24 = spmd.create_mesh([("b", 2), ("m", 4)])
 # sharded over the whole mesh; over one dim (replicated over the other); replicated (one copy shared by all)
 LAYOUTS24 = [Layout(["b", "m"], MESH24), Layout(["m"], MESH24), Layout([UNSHARDED, UNSHARDED], MESH24)]
 ELEMENTWISE_OPTIMIZERS = [  # (name, options, modes): every branch of the updates that spmd runs on the stacks
-    ("SGD", {"lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 0.01}, ["foreach", "fused"]),
-    ("Adam", {"lr": 0.05, "amsgrad": True, "maximize": True}, ["foreach", "fused"]),
-    ("AdamW", {"lr": 0.05, "weight_decay": 0.1}, ["foreach", "fused"]),
-    ("Adagrad", {"lr": 0.1, "weight_decay": 0.01}, ["foreach", "fused"]),
-    ("RMSprop", {"lr": 0.01, "momentum": 0.5, "centered": True}, ["foreach"]),
-    ("Adamax", {"lr": 0.05, "weight_decay": 0.01}, ["foreach"]),
-    ("NAdam", {"lr": 0.05, "weight_decay": 0.01, "decoupled_weight_decay": True}, ["foreach"]),
-    ("RAdam", {"lr": 0.05}, ["foreach"]),
-    ("ASGD", {"lr": 0.05, "t0": 1.0}, ["foreach"]),
-    ("Adadelta", {"lr": 1.0, "weight_decay": 0.01}, ["foreach"]),
-    ("Rprop", {"lr": 0.01}, ["foreach"]),
+    ("SGD", {"lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 0.01}, ["loop", "foreach", "fused"]),
+    ("Adam", {"lr": 0.05, "amsgrad": True, "maximize": True}, ["loop", "foreach", "fused"]),
+    ("AdamW", {"lr": 0.05, "weight_decay": 0.1}, ["loop", "foreach", "fused"]),
+    ("Adagrad", {"lr": 0.1, "weight_decay": 0.01}, ["loop", "foreach", "fused"]),
+    ("RMSprop", {"lr": 0.01, "momentum": 0.5, "centered": True}, ["loop", "foreach"]),
+    ("Adamax", {"lr": 0.05, "weight_decay": 0.01}, ["loop", "foreach"]),
+    ("NAdam", {"lr": 0.05, "weight_decay": 0.01, "decoupled_weight_decay": True}, ["loop", "foreach"]),
+    ("RAdam", {"lr": 0.05}, ["loop", "foreach"]),
+    ("ASGD", {"lr": 0.05, "t0": 1.0}, ["loop", "foreach"]),
+    ("Adadelta", {"lr": 1.0, "weight_decay": 0.01}, ["loop", "foreach"]),
+    ("Rprop", {"lr": 0.01}, ["loop", "foreach"]),
 ]
+PATHS = {"loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
 
 
-def _multi_tensor_counts(fn) -> dict:
-    return {op: n for op, n in _kernel_counts(fn).items() if op.startswith(("aten::_foreach_", "aten::_fused_"))}
+def _update_counts(fn, mode: str) -> dict:
+    """How often `fn` ran each kernel of an optimizer's update: the multi-tensor ones, or for the for-loop its
+    in-place element ops (not `copy_` and `fill_`, which resolving a pending gradient and creating state use)."""
+    if mode != "loop":
+        return {op: n for op, n in _kernel_counts(fn).items() if op.startswith(("aten::_foreach_", "aten::_fused_"))}
+    return {op: n for op, n in _kernel_counts(fn).items()
+            if op.startswith("aten::") and op.endswith("_") and op not in ("aten::copy_", "aten::fill_")}
 
 
 @pytest.mark.parametrize("name,options,mode", [(name, options, mode) for name, options, modes in
@@ -131,8 +138,8 @@ def _multi_tensor_counts(fn) -> dict:
 def test_elementwise_optimizers_update_the_stacks_as_plain_torch_updates_its_tensors(name, options, mode):
     """On 8 devices, with parameters sharded, partially replicated and replicated (one shared copy), and gradients
     that arrive as pending sums: every device's component equals plain torch's after each step, the state keeps
-    the parameters' layouts, and from the second step on (when the state exists) each multi-tensor op runs once, on
-    the stacks, as often as in plain torch's step."""
+    the parameters' layouts, and from the second step on (when the state exists) each kernel of the update (the
+    for-loop's element ops, the multi-tensor ones) runs on the stacks, as often as in plain torch's step."""
     torch.manual_seed(0)
     values = [torch.randn(4, 8, dtype=torch.float64), torch.randn(8, dtype=torch.float64),
               torch.randn(3, 4, dtype=torch.float64)]
@@ -140,13 +147,13 @@ def test_elementwise_optimizers_update_the_stacks_as_plain_torch_updates_its_ten
     plain = [v.clone().requires_grad_() for v in values]
     dist = [spmd.DVariable(v, layout=layout) for v, layout in zip(values, LAYOUTS24)]
     inputs = (x, spmd.copy_to_mesh(x, Layout(["b", UNSHARDED], MESH24)))
-    opts = [getattr(torch.optim, name)(ps, **{mode: True}, **options) for ps in (dist, plain)]
+    opts = [getattr(torch.optim, name)(ps, **PATHS[mode], **options) for ps in (dist, plain)]
     for step in range(3):
         counts = []
         for ps, opt, xs in zip((dist, plain), opts, reversed(inputs)):
             loss = ((xs * ps[1]).tanh() @ ps[0].T @ ps[2].T).square().mean() + (ps[2] @ ps[0]).sin().sum()
             loss.backward()
-            counts.append(_multi_tensor_counts(opt.step))
+            counts.append(_update_counts(opt.step, mode))
             opt.zero_grad()
         for d, p, layout in zip(dist, plain, LAYOUTS24):
             assert spmd.fetch_layout(d) == layout

@@ -1,19 +1,20 @@
-"""torch.optim over DTensor parameters: its foreach and fused updates run on the stacked components.
+"""torch.optim over DTensor parameters: its updates run on the stacked components, whichever path it takes.
 
-torch.optim's multi-tensor updates (`foreach=True`, `fused=True`) begin by grouping their tensor lists (parameters,
-gradients, state) by device and dtype. Where every op of an update is elementwise over the parameters (Adam, AdamW,
-SGD, Adagrad, RMSprop, Adamax, NAdam, RAdam, ASGD, Adadelta, Rprop: all but Adafactor, which factors its second
-moment over rows and columns), spmd hands that grouping the DTensors' stacked components instead. The update then
-runs torch's own multi-tensor kernels on plain tensors: no DTensor dispatch per op and list element, so its cost is
-plain torch's over tensors of the stacks' size. Lists that do not line up (a gradient laid out unlike its parameter,
-state not created yet, a plain tensor among DTensors) stay DTensors, and each op runs through engine/foreach.py.
-
-The same optimizers take their foreach update by default for DTensor parameters, on every device (plain torch keeps
-its for-loop on CPU, where for DTensors it would cost one dispatch per parameter and op).
+torch.optim's updates come in three kinds: a for-loop over the parameters (`foreach=False`, plain torch's default
+on CPU), multi-tensor kernels (`foreach=True`, its default on CUDA) and fused kernels (`fused=True`). Where every op
+of an update is elementwise over the parameters (Adam, AdamW, SGD, Adagrad, RMSprop, Adamax, NAdam, RAdam, ASGD,
+Adadelta, Rprop: all but Adafactor, which factors its second moment over rows and columns), spmd hands the update
+the DTensors' stacked components instead: the for-loop is called with them in place of the tensor lists, and the
+multi-tensor and fused updates get them from torch's own grouping of the lists by device and dtype. The update then
+runs torch's own kernels on plain tensors: no DTensor dispatch per op and parameter, so its cost is plain torch's over
+tensors of the stacks' size, and the path torch picks by default is the one it picks for plain tensors. Lists that
+do not line up (a gradient laid out unlike its parameter, state not created yet, a plain tensor among DTensors) stay
+DTensors, and each op runs through the dispatcher (the multi-tensor ones through engine/foreach.py).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import operator
@@ -34,15 +35,16 @@ _ELEMENTWISE_OPTIMIZERS = ("adam", "adamw", "sgd", "adagrad", "rmsprop", "adamax
 
 def let_torch_optim_take(*types) -> None:
     """Makes torch.optim and `clip_grad_norm_` choose their foreach paths for these tensor types where they would
-    for plain tensors (on CUDA by default), as torch does for its own DTensor; has torch.optim's elementwise
-    optimizers default to their foreach path for DTensor parameters on every device; and has their multi-tensor
+    for plain tensors (on CUDA by default), as torch does for its own DTensor; and has the elementwise optimizers'
     updates run on the stacked components (see above)."""
     for supported in (optimizer._foreach_supported_types, torch.utils._foreach_utils._foreach_supported_types):
         supported.extend(t for t in types if t not in supported)
     optimizer.Optimizer._group_tensors_by_device_and_dtype = staticmethod(_grouped)
     for module in _MODULES:
-        if getattr(module, "_default_to_fused_or_foreach", None) is optimizer._default_to_fused_or_foreach:
-            module._default_to_fused_or_foreach = _default_path
+        for name, function in list(vars(module).items()):
+            if name.startswith("_single_tensor_") and inspect.isfunction(function) \
+                    and not hasattr(function, "_spmd_loop"):
+                setattr(module, name, _loop_on_stacks(function))
 
 
 def _elementwise_modules() -> list:
@@ -77,16 +79,20 @@ def _grouped(tensorlistlist, with_indices: bool = False):
     return _GROUP(tensorlistlist, with_indices)
 
 
-def _default_path(params, differentiable: bool, use_fused: bool = False) -> tuple[bool, bool]:
-    """torch's choice of an update path where the user names none (`foreach=None`), but foreach on every device for
-    DTensor parameters: on CPU plain torch keeps its for-loop (its foreach kernels loop over the tensors anyway),
-    which for DTensors is one dispatch per parameter and op, where the foreach update is one kernel call per op on
-    the stacks."""
-    fused, foreach = optimizer._default_to_fused_or_foreach(params, differentiable, use_fused)
-    if not (fused or foreach or differentiable or torch.compiler.is_compiling()) and params \
-            and all(isinstance(p, DTensor) for p in params):
-        foreach = True
-    return fused, foreach
+def _loop_on_stacks(loop):
+    """torch's for-loop update `loop`, called with the stacked components in place of the leading tensor lists
+    (parameters, gradients, state) where they line up; as it is otherwise (and while Dynamo traces it, or autograd
+    records it: `differentiable=True`)."""
+    @functools.wraps(loop)
+    def on_stacks(*args, **kwargs):
+        if not (kwargs.get("differentiable") or torch.compiler.is_compiling()):
+            n = next((i for i, a in enumerate(args) if not isinstance(a, list)), len(args))
+            stacks = _stacked(list(args[:n]), fused=False)
+            if stacks is not None:
+                args = (*stacks, *args[n:])
+        return loop(*args, **kwargs)
+    on_stacks._spmd_loop = loop
+    return on_stacks
 
 
 def _stacked(lists, fused: bool):
