@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.optim import adam
 
 import spmd
 from spmd import UNSHARDED as U, Layout
@@ -348,6 +349,15 @@ def test_mlp_trains_like_one_process(mesh, foreach):
     losses = _train(model, batches, lambda t: spmd.copy_to_mesh(t, Layout(["batch", U], mesh)), foreach)
     assert shadow_cache.STATS["checked"] - replayed > 4 * 20  # steps 2-5 replayed their ops, checked
     assert losses == pytest.approx(expected, rel=1e-5, abs=1e-6)
+
+
+def test_optimizers_take_their_foreach_update_by_default_for_a_controller_meshs_parameters(mesh):
+    """A for-loop could not run on stacks that live on the workers: it would send one op per parameter and element
+    op, where the foreach update sends one per op."""
+    model = spmd.distribute_module(MLP(), mesh)
+    params = list(model.parameters())
+    assert adam._default_to_fused_or_foreach(params, False) == (False, True)
+    assert adam._default_to_fused_or_foreach([p.detach().clone() for p in MLP().parameters()], False) == (False, False)
 
 
 def _mlp_layouts(mesh, names=("batch", "model")):

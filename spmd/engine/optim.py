@@ -7,7 +7,8 @@ Adadelta, Rprop: all but Adafactor, which factors its second moment over rows an
 the DTensors' stacked components instead: the for-loop is called with them in place of the tensor lists, and the
 multi-tensor and fused updates get them from torch's own grouping of the lists by device and dtype. The update then
 runs torch's own kernels on plain tensors: no DTensor dispatch per op and parameter, so its cost is plain torch's over
-tensors of the stacks' size, and the path torch picks by default is the one it picks for plain tensors. Lists that
+tensors of the stacks' size, and the path torch picks by default is the one it picks for plain tensors (but for a
+controller mesh's parameters, which live on its workers: there the foreach update, one message per op). Lists that
 do not line up (a gradient laid out unlike its parameter, state not created yet, a plain tensor among DTensors) stay
 DTensors, and each op runs through the dispatcher (the multi-tensor ones through engine/foreach.py).
 """
@@ -45,6 +46,8 @@ def let_torch_optim_take(*types) -> None:
             if name.startswith("_single_tensor_") and inspect.isfunction(function) \
                     and not hasattr(function, "_spmd_loop"):
                 setattr(module, name, _loop_on_stacks(function))
+        if getattr(module, "_default_to_fused_or_foreach", None) is optimizer._default_to_fused_or_foreach:
+            module._default_to_fused_or_foreach = _default_path
 
 
 def _elementwise_modules() -> list:
@@ -77,6 +80,17 @@ def _grouped(tensorlistlist, with_indices: bool = False):
         if fused is not None:
             tensorlistlist = _stacked(tensorlistlist, fused) or tensorlistlist
     return _GROUP(tensorlistlist, with_indices)
+
+
+def _default_path(params, differentiable: bool, use_fused: bool = False) -> tuple[bool, bool]:
+    """torch's choice of an update path where the user names none (`foreach=None`), but the foreach update for
+    the parameters of a controller mesh: their stacks live on its workers, so a for-loop could not run on them, and
+    would send one op per parameter and element op where the foreach update sends one per op."""
+    fused, foreach = optimizer._default_to_fused_or_foreach(params, differentiable, use_fused)
+    if not (fused or foreach or differentiable or torch.compiler.is_compiling()) and params \
+            and all(isinstance(p, DTensor) and p._layout.mesh.remote is not None for p in params):
+        foreach = True
+    return fused, foreach
 
 
 def _loop_on_stacks(loop):
