@@ -4,7 +4,7 @@ torch.optim's elementwise updates, run on the stacked components themselves."""
 
 import pytest
 import torch
-from torch.optim import adam, optimizer
+from torch.optim import adam, optimizer, sgd
 
 import spmd
 from spmd import UNSHARDED, Layout
@@ -103,6 +103,22 @@ def test_optimizers_take_plain_torchs_default_path_and_run_it_on_the_stacks():
     assert counts[1] == counts[3] and counts[1]
     for d, p in zip(dist, plain):
         torch.testing.assert_close(spmd.to_global(d), p.detach(), rtol=1e-10, atol=1e-12)
+
+
+def test_a_differentiable_update_records_its_ops_on_the_dtensors():
+    """An update that autograd records (`differentiable=True`, which SGD's for-loop is not told) stays on the
+    DTensors: the gradient through the update equals plain torch's."""
+    grads = []
+    for to_param in (lambda v: spmd.DVariable(v, layout=LAYOUTS[0]), lambda v: v.clone().requires_grad_()):
+        w = to_param(torch.arange(24, dtype=torch.float64).reshape(4, 6) / 10)
+        p = w * 1  # (a non-leaf, as differentiable optimizers update)
+        with torch.enable_grad():
+            sgd.sgd([p], [w.square()], [], foreach=False, weight_decay=0.0, momentum=0.0, lr=0.1,
+                    dampening=0.0, nesterov=False, maximize=False)
+        p.sum().backward()
+        grads.append(spmd.to_global(w.grad) if spmd.is_dtensor(w.grad) else w.grad)
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grads[1], 1 - 0.2 * torch.arange(24, dtype=torch.float64).reshape(4, 6) / 10)
 
 
 MESH24 = spmd.create_mesh([("b", 2), ("m", 4)])

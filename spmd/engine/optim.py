@@ -95,11 +95,11 @@ def _default_path(params, differentiable: bool, use_fused: bool = False) -> tupl
 
 def _loop_on_stacks(loop):
     """torch's for-loop update `loop`, called with the stacked components in place of the leading tensor lists
-    (parameters, gradients, state) where they line up; as it is otherwise (and while Dynamo traces it, or autograd
-    records it: `differentiable=True`)."""
+    (parameters, gradients, state) where they line up; as it is otherwise, while Dynamo traces it, and while autograd
+    records (`differentiable=True`, which SGD's loop is not told)."""
     @functools.wraps(loop)
     def on_stacks(*args, **kwargs):
-        if not (kwargs.get("differentiable") or torch.compiler.is_compiling()):
+        if not (torch.is_grad_enabled() or torch.compiler.is_compiling()):
             n = next((i for i, a in enumerate(args) if not isinstance(a, list)), len(args))
             stacks = _stacked(list(args[:n]), fused=False)
             if stacks is not None:
