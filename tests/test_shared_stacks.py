@@ -76,8 +76,9 @@ def test_data_parallel_weight_gradient_is_one_product_and_one_all_reduce(mesh4):
 
 @pytest.mark.parametrize("kind", ["mm", "addmm"])
 def test_a_product_with_a_weight_every_device_holds_is_one_matrix_product(mesh4, kind):
-    """x sharded over the batch times a replicated weight (held once): one `mm` of all devices' rows, no
-    collective, each device's rows as plain torch computes them; on one device, plain torch's kernel bit for bit."""
+    """x sharded over the batch times a replicated weight (held once): one `mm` (or `addmm`, the bias added inside
+    the product) of all devices' rows, no collective, each device's rows as plain torch computes them; on one
+    device, plain torch's kernel bit for bit."""
     x, w, b = torch.randn(8, 16), torch.randn(16, 32), torch.randn(32)
     op = (lambda x, w, b: x @ w) if kind == "mm" else (lambda x, w, b: torch.addmm(b, x, w))
     mesh1 = spmd.create_mesh([("batch", 1)], devices=["CPU:0"])
@@ -88,12 +89,12 @@ def test_a_product_with_a_weight_every_device_holds_is_one_matrix_product(mesh4,
         with torch.profiler.profile() as prof:  # (it sees the kernels run on the stacked components too)
             out, collectives = issued(lambda: op(dx, dw, db))
         assert collectives == [] and spmd.fetch_layout(out) == Layout(["batch", U], mesh)
-        assert "aten::bmm" not in {event.name for event in prof.events()}
+        kernels = {event.name for event in prof.events()}
+        assert "aten::bmm" not in kernels and "aten::add_" not in kernels
         assert not out._stack._is_view()  # (a view as the components would cost copies later: gloo, buckets)
         for block, component in zip(x.chunk(mesh.size), spmd.unpack(out)):
             torch.testing.assert_close(component, op(block, w, b))
-    if kind == "mm":  # (the one-device product is the kernel plain torch runs: equal bit for bit)
-        assert torch.equal(spmd.unpack(out)[0], x @ w)
+    assert torch.equal(spmd.unpack(out)[0], op(x, w, b))  # (the one-device product is plain torch's kernel)
 
 
 def test_a_same_sum_passes_linear_ops_and_meets_a_sum(mesh4):

@@ -180,7 +180,8 @@ def _once(out: torch.Tensor) -> torch.Tensor:
 
 @register(*_PRODUCTS)
 def addmm_rule(call: OpCall) -> Decision:
-    """out = beta * bias + alpha * product(a, b). With a pending sum the bias is added once, after the reduction."""
+    """out = beta * bias + alpha * product(a, b). With a pending sum the bias is added once, after the reduction;
+    where the product is one over all devices' rows and every device holds the whole bias, it is torch's addmm."""
     equation, local_product = _PRODUCTS[call.func]
     bias, a, b = call.specs
     required, out_axes, reduced = einsum_axes(equation, [a.axes, b.axes])
@@ -212,8 +213,29 @@ def addmm_rule(call: OpCall) -> Decision:
     if reduced:
         return Decision((bias_axes, *required), (out_axes,), product, reduce=(reduced,), reduce_op=reduce_op,
                         epilogue=lambda outs, locals_, args, kwargs: [add_bias(outs[0], locals_, kwargs)])
-    return Decision((bias_axes, *required), (out_axes,),
-                    lambda locals_, args, kwargs: add_bias(product(locals_, args, kwargs), locals_, kwargs))
+    # a bias every device holds whole (no row axis to fold): where the product is one over all devices' rows, it is
+    # plain torch's addmm
+    one_bias = call.func is aten.addmm.default and all(axes is None for axes in bias_axes) \
+        and (bias.rank < 2 or bias.shape[0] == 1)
+
+    def kernel(locals_, args, kwargs):
+        if one_bias and _one_weight(*locals_[1:]):
+            return _addmm_once(*locals_, kwargs.get("beta", 1), kwargs.get("alpha", 1))
+        return add_bias(product(locals_, args, kwargs), locals_, kwargs)
+    return Decision((bias_axes, *required), (out_axes,), kernel)
+
+
+def _one_weight(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the eager product of `a` and `b` is one matrix product of all devices' rows (see `stacked_mm`)."""
+    return not traced(a) and (b.shape[0] == 1 or (shared(b) and not shared(a)))
+
+
+def _addmm_once(bias, a, b, beta, alpha) -> torch.Tensor:
+    """`addmm` of all devices' rows `a` (L, M, K) with the weight `b` and the bias that every device holds: plain
+    torch's kernel, which adds the bias inside the product, so the result rounds as plain torch's."""
+    rows = a[0] if a.shape[0] == 1 else a.reshape(-1, a.shape[-1])
+    out = torch.addmm(bias[0], rows, b[0], beta=beta, alpha=alpha)
+    return aten._unsafe_view(out, (a.shape[0], a.shape[1], out.shape[-1]))  # (not a view: see stacked_mm)
 
 
 @register(aten._cdist_forward.default)
