@@ -1,5 +1,6 @@
 """The peers' JAX 2-layer MLP training step (batch 256, 1024 -> 1024 -> 1024, MSE, SGD) in spmd, JAX and plain
-torch, in one process: 1 device; data parallel on 8 virtual devices; batch=4 x model=2 (Megatron).
+torch (eager and torch.compile), in one process: 1 device; data parallel on 8 virtual devices; batch=4 x model=2
+(Megatron).
 
 usage: python benchmarks/bench_jax_mlp.py [--quick] [--steps N] [--reps R] [--warm W] [--threads T] [--no-jax]
                                           [--out DIR]
@@ -86,8 +87,9 @@ def torch_loss(p, x, y):
 
 def torch_runner(params, x, y, config: str | None, compiled: bool = False):
     """step() -> loss tensor: value_and_grad, then p -= LR * g (in place), as the JAX step. `config` None is
-    plain torch; otherwise spmd on 1 device / data parallel x=8 / batch=4 × model=2, eager or (`compiled`) under
-    `spmd.function` (the gradient and the update run as compiled graphs; `autograd.grad` is torch's own break)."""
+    plain torch, eager or (`compiled`) under `torch.compile`; otherwise spmd on 1 device / data parallel x=8 /
+    batch=4 × model=2, eager or under `spmd.function` (the gradient and the update run as compiled graphs;
+    `autograd.grad` is torch's own break)."""
     p = {k: torch.from_numpy(v.copy()) for k, v in params.items()}
     x, y = torch.from_numpy(x.copy()), torch.from_numpy(y.copy())
     if config is not None:
@@ -117,7 +119,9 @@ def torch_runner(params, x, y, config: str | None, compiled: bool = False):
             for w, g in zip(leaves, grads):
                 w.sub_(g, alpha=LR)
         return loss
-    return spmd.function(step, fullgraph=False) if compiled else step
+    if not compiled:
+        return step
+    return torch.compile(step) if config is None else spmd.function(step, fullgraph=False)
 
 
 def torch_value(loss) -> float:
@@ -185,12 +189,14 @@ def caption(data: dict) -> str:
 def readme_table(data: dict) -> str:
     """README.md's table from jax_mlp.json: ms/step of plain torch, spmd and JAX per configuration."""
     m = lambda k: data["results"].get(k, {}).get("median_ms")  # noqa: E731
-    rows = [[LABELS[c], fmt(m("torch/1dev")), fmt(m(f"spmd/{c}")), fmt(m(f"spmd.function/{c}")),
+    rows = [[LABELS[c], fmt(m("torch/1dev")), fmt(m("torch.compile/1dev")), fmt(m(f"spmd/{c}")),
+             fmt(m(f"spmd.function/{c}")),
              fmt(m(f"jax/{c}")), ratio(m(f"spmd/{c}"), m(f"jax/{c}")), ratio(m(f"spmd.function/{c}"), m(f"jax/{c}"))]
             for c in CONFIGS]
     s = data["shape"]
     hdr = [f"2-layer MLP, batch {s['B']}, {s['D']} → {s['H']} → {s['D']}, ms/step", "plain torch (1 device)",
-           "spmd eager", "spmd.function", "JAX", "spmd eager / JAX", "spmd.function / JAX"]
+           "plain torch.compile (1 device)", "spmd eager", "spmd.function", "JAX", "spmd eager / JAX",
+           "spmd.function / JAX"]
     return caption(data) + "\n\n" + md_table(hdr, rows)
 
 
@@ -233,6 +239,7 @@ def _main(a) -> dict:
     params, x, y = init(**shape)
     runners, collectives, errors = {}, {}, []
     runners[("torch", "1dev")] = torch_runner(params, x, y, None)
+    runners[("torch.compile", "1dev")] = torch_runner(params, x, y, None, compiled=True)
     for c in CONFIGS:
         runners[("spmd", c)] = torch_runner(params, x, y, c)
         runners[("spmd.function", c)] = torch_runner(params, x, y, c, compiled=True)
@@ -274,12 +281,12 @@ def _main(a) -> dict:
         return res.get((fw, c), {}).get(key)
     t_plain = m("torch", "1dev")
     hdr = ["configuration", "spmd ms/step", "spmd.function ms/step", "JAX ms/step", "plain torch ms/step (1 device)",
-           "spmd/JAX", "spmd.function/JAX", "spmd/torch", "JAX/torch", "spmd CPU ms/step", "JAX CPU ms/step",
+           "plain torch.compile ms/step (1 device)", "spmd/JAX", "spmd.function/JAX", "spmd/torch", "JAX/torch", "spmd CPU ms/step", "JAX CPU ms/step",
            "spmd loss rel. Δ", "spmd.function loss rel. Δ", "JAX loss rel. Δ"]
     rows = []
     for c in CONFIGS:
         rows.append([LABELS[c], fmt(m("spmd", c), 2), fmt(m("spmd.function", c), 2), fmt(m("jax", c), 2),
-                     fmt(t_plain, 2), ratio(m("spmd", c), m("jax", c)), ratio(m("spmd.function", c), m("jax", c)),
+                     fmt(t_plain, 2), fmt(m("torch.compile", "1dev"), 2), ratio(m("spmd", c), m("jax", c)), ratio(m("spmd.function", c), m("jax", c)),
                      ratio(m("spmd", c), t_plain), ratio(m("jax", c), t_plain),
                      fmt(m("spmd", c, "median_cpu_ms"), 1), fmt(m("jax", c, "median_cpu_ms"), 1),
                      f"{res[('spmd', c)]['max_rel_loss_diff']:.1e}",

@@ -55,6 +55,7 @@ def test_bench_jax_mlp_quick(tmp_path):
     assert (tmp_path / "jax_mlp.md").exists()
     assert not data["errors"], data["errors"]
     results = data["results"]
+    assert results["torch.compile/1dev"]["max_rel_loss_diff"] <= 1e-5
     for cfg in bench_jax_mlp.CONFIGS:
         assert results[f"spmd/{cfg}"]["max_rel_loss_diff"] <= 1e-5, cfg
     if data["jax"] is None:
