@@ -276,14 +276,20 @@ def graph_bucket_cap_mb(bucket_index: int) -> float:
 
 
 _INNER_NAMES = ".__tensor_flatten__()[0]"
+_INNER = "._inner"  # (the source name of a DTensor argument's inner tensor)
 
 
 def _needed_guards(guards) -> list[bool]:
-    """Dynamo's guards of a traced frame, less the one on the names of each DTensor argument's inner tensors, which
-    are always `["_inner"]`: each guard on a DTensor is a Python call on every call of the compiled code."""
+    """Dynamo's guards of a traced frame, less two per DTensor argument that its other guards imply: the one on the
+    names of its inner tensors, which are always `["_inner"]`, and the one on its inner tensor, whose sizes, strides,
+    dtype and device follow from the DTensor's own (guarded) sizes, dtype and device and its flattened metadata
+    (layout, the stack's strides, how many devices share it). Each guard on a DTensor costs every call of the
+    compiled code (a Python call, or an attribute read through a property)."""
     dtensors = {g.name for g in guards if g.guard_type == "TYPE_MATCH" and isinstance(g.value, DTensor)}
-    return [not (g.guard_type == "EQUALS_MATCH" and g.name.endswith(_INNER_NAMES)
-                 and g.name[:-len(_INNER_NAMES)] in dtensors) for g in guards]
+    return [not ((g.guard_type == "EQUALS_MATCH" and g.name.endswith(_INNER_NAMES)
+                  and g.name[:-len(_INNER_NAMES)] in dtensors)
+                 or (g.guard_type == "TENSOR_MATCH" and g.name.endswith(_INNER) and g.name[:-len(_INNER)] in dtensors))
+            for g in guards]
 
 
 def _own_code(method) -> Callable:

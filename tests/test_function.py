@@ -22,7 +22,8 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._functorch._aot_autograd.autograd_cache import AOTAutogradCachePickler
 
 import spmd
-from spmd import UNSHARDED, Layout, tracing
+from spmd import UNSHARDED, Layout, function_mode, tracing
+from spmd.collectives.local import shared
 from sweep import all_layouts, components, gather
 
 U = UNSHARDED
@@ -72,6 +73,31 @@ def test_retraces_once_per_layout(mesh22):
     assert f.experimental_get_tracing_count() == 2
     f(spmd.copy_to_mesh(torch.randn(8, 4), Layout(["x", U], mesh22)))  # a new shape traces again
     assert f.experimental_get_tracing_count() == 3
+
+
+def test_the_guards_on_a_dtensor_argument_leave_out_what_its_own_guards_imply(mesh22, monkeypatch):
+    """No guard on a DTensor argument's inner tensor or its name (each would cost every call); what they would
+    check still retraces: the inner tensor's strides (a transposed value), its size (a shared replicated stack of
+    one copy, or a stack of one per device), its dtype."""
+    made, kept, needed = [], [], function_mode._needed_guards
+
+    def recorded(guards):
+        keep = needed(guards)
+        made.extend(g.name for g in guards)
+        kept.extend(g.name for g, k in zip(guards, keep) if k)
+        return keep
+    monkeypatch.setattr(function_mode, "_needed_guards", recorded)
+    f = spmd.function(lambda x: x * 2, backend="aot_eager")
+    value, replicated = torch.randn(4, 4), Layout([U, U], mesh22)
+    calls = [spmd.copy_to_mesh(value, replicated), spmd.copy_to_mesh(value, replicated),
+             spmd.copy_to_mesh(value.t().contiguous(), replicated).t(), spmd.pack([value] * 4, replicated),
+             spmd.copy_to_mesh(value.double(), replicated)]
+    assert shared(calls[0]._stack) and not shared(calls[3]._stack)
+    for i, x in enumerate(calls):
+        torch.testing.assert_close(spmd.unpack(f(x))[0], 2 * spmd.unpack(x)[0])
+        assert f.experimental_get_tracing_count() == max(i, 1)
+    assert "args[0]._inner" in made and "args[0]" in kept  # (the traced frame is `Function._body(*args)`)
+    assert not any(name.startswith("args[0].") for name in kept)
 
 
 def test_explain_megatron_mlp_forward_has_one_all_reduce(mesh22):
