@@ -101,7 +101,7 @@ def _loop_on_stacks(loop):
     def on_stacks(*args, **kwargs):
         if not (torch.is_grad_enabled() or torch.compiler.is_compiling()):
             n = next((i for i, a in enumerate(args) if not isinstance(a, list)), len(args))
-            stacks = _stacked(list(args[:n]), fused=False)
+            stacks = _stacked(list(args[:n]), fused=False) if n else None
             if stacks is not None:
                 args = (*stacks, *args[n:])
         return loop(*args, **kwargs)
