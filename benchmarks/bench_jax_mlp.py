@@ -281,12 +281,14 @@ def _main(a) -> dict:
         return res.get((fw, c), {}).get(key)
     t_plain = m("torch", "1dev")
     hdr = ["configuration", "spmd ms/step", "spmd.function ms/step", "JAX ms/step", "plain torch ms/step (1 device)",
-           "plain torch.compile ms/step (1 device)", "spmd/JAX", "spmd.function/JAX", "spmd/torch", "JAX/torch", "spmd CPU ms/step", "JAX CPU ms/step",
+           "plain torch.compile ms/step (1 device)", "spmd/JAX", "spmd.function/JAX", "spmd/torch", "JAX/torch",
+           "spmd CPU ms/step", "JAX CPU ms/step",
            "spmd loss rel. Δ", "spmd.function loss rel. Δ", "JAX loss rel. Δ"]
     rows = []
     for c in CONFIGS:
         rows.append([LABELS[c], fmt(m("spmd", c), 2), fmt(m("spmd.function", c), 2), fmt(m("jax", c), 2),
-                     fmt(t_plain, 2), fmt(m("torch.compile", "1dev"), 2), ratio(m("spmd", c), m("jax", c)), ratio(m("spmd.function", c), m("jax", c)),
+                     fmt(t_plain, 2), fmt(m("torch.compile", "1dev"), 2), ratio(m("spmd", c), m("jax", c)),
+                     ratio(m("spmd.function", c), m("jax", c)),
                      ratio(m("spmd", c), t_plain), ratio(m("jax", c), t_plain),
                      fmt(m("spmd", c, "median_cpu_ms"), 1), fmt(m("jax", c, "median_cpu_ms"), 1),
                      f"{res[('spmd', c)]['max_rel_loss_diff']:.1e}",

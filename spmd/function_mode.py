@@ -275,8 +275,8 @@ def graph_bucket_cap_mb(bucket_index: int) -> float:
     return GRAPH_BUCKET_CAP_MB
 
 
-_INNER_NAMES = ".__tensor_flatten__()[0]"
-_INNER = "._inner"  # (the source name of a DTensor argument's inner tensor)
+# guard type -> the source name (after a DTensor argument's own) of a guard that the argument's other guards imply
+_IMPLIED_GUARDS = {"EQUALS_MATCH": ".__tensor_flatten__()[0]", "TENSOR_MATCH": "._inner"}
 
 
 def _needed_guards(guards) -> list[bool]:
@@ -286,10 +286,11 @@ def _needed_guards(guards) -> list[bool]:
     (layout, the stack's strides, how many devices share it). Each guard on a DTensor costs every call of the
     compiled code (a Python call, or an attribute read through a property)."""
     dtensors = {g.name for g in guards if g.guard_type == "TYPE_MATCH" and isinstance(g.value, DTensor)}
-    return [not ((g.guard_type == "EQUALS_MATCH" and g.name.endswith(_INNER_NAMES)
-                  and g.name[:-len(_INNER_NAMES)] in dtensors)
-                 or (g.guard_type == "TENSOR_MATCH" and g.name.endswith(_INNER) and g.name[:-len(_INNER)] in dtensors))
-            for g in guards]
+
+    def implied(g) -> bool:
+        suffix = _IMPLIED_GUARDS.get(g.guard_type)
+        return suffix is not None and g.name.endswith(suffix) and g.name[:-len(suffix)] in dtensors
+    return [not implied(g) for g in guards]
 
 
 def _own_code(method) -> Callable:
