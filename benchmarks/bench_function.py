@@ -85,7 +85,8 @@ def gpt_case(quick: bool):
 
     wrapped = WithPositions(model)
     wrapped.positions = positions
-    layouts = {"gpt." + k.lstrip("^"): v for k, v in megatron_layouts().items()}
+    # the wrapper's names start with "gpt.": a pattern anchored at the start must say so
+    layouts = {(r"^gpt\." + k[1:] if k.startswith("^") else k): v for k, v in megatron_layouts().items()}
     return f"demo GPT ({sum(p.numel() for p in model.parameters()) // 1000}k params), batch {b}×{cfg.block_size}, " \
            "AdamW", wrapped, data, layouts, lambda params: torch.optim.AdamW(params, lr=3e-3)
 

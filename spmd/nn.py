@@ -119,6 +119,10 @@ class LayoutMap(collections.abc.MutableMapping):
         items = ", ".join(f"{k!r}: {v.sharding_specs if isinstance(v, Layout) else v!r}" for k, v in self.items())
         return f"LayoutMap({{{items}}})"
 
+    def unmatched(self, names: Sequence[str]) -> list[str]:
+        """The keys that match none of `names` (a misspelt or misplaced pattern: its layout would go unused)."""
+        return [k for k, pattern in self._patterns.items() if not any(n == k or pattern.search(n) for n in names)]
+
     def layout_for(self, name: str, shape: Sequence[int], mesh: Mesh | None = None) -> Layout | None:
         """The `Layout` for a tensor `name` of global `shape` (spec lists resolved on `mesh`), or None.
 
@@ -196,6 +200,15 @@ def _plan(module: nn.Module, mesh: Mesh, layout_map: LayoutMap, kind: str):
     return plan
 
 
+def _warn_unmatched(layout_map: LayoutMap, module: nn.Module) -> None:
+    names = [n for n, _ in module.named_parameters(remove_duplicate=False)] + \
+            [n for n, _ in module.named_buffers(remove_duplicate=False)]
+    for key in layout_map.unmatched(names):
+        example = f" such as {names[-1]!r}" if names else ""
+        warnings.warn(f"LayoutMap key '{key}' matches no parameter or buffer name of {type(module).__name__} "
+                      f"(keys are regexes searched in names{example}), so its layout is not used", stacklevel=3)
+
+
 def _set(places, value, kind: str) -> None:
     for owner, attr, _ in places:
         (owner._parameters if kind == "parameter" else owner._buffers)[attr] = value
@@ -243,6 +256,10 @@ def distribute_module(module: nn.Module, mesh: Mesh, layout_map=None,
       ValueError (`IndivisibleError`): a sharded axis that does not divide by its number of shards.
       TypeError (`MixedTensorError`, when the module is called): a plain tensor argument of the outermost call.
 
+    Warns:
+      UserWarning: a `layout_map` key that matches no parameter or buffer name (a misspelt or misplaced
+        pattern, whose tensors would silently stay replicated).
+
     On a mesh spanning several clients, gradients whose pending sum crosses clients are reduced during backward
     in buckets of `bucket_cap_mb` MB, one asynchronous all-reduce each, as DDP does (`spmd.buckets`;
     `spmd.no_sync(module)` accumulates micro-batches); `bucket_cap_mb=0` reduces each gradient when it is read.
@@ -260,6 +277,7 @@ def distribute_module(module: nn.Module, mesh: Mesh, layout_map=None,
     if not isinstance(mesh, Mesh):
         raise LayoutError(f"distribute_module expects a spmd.Mesh, got {type(mesh).__name__}")
     layout_map = _as_layout_map(layout_map)
+    _warn_unmatched(layout_map, module)
     params = _plan(module, mesh, layout_map, "parameter")
     buffers = _plan(module, mesh, layout_map, "buffer")
     compute_layouts = [layout for _, _, layout in params]

@@ -117,6 +117,19 @@ def test_layout_map_resolves_spec_lists_and_checks():
     assert "LayoutMap({'w': ['model', 'unsharded']})" == repr(lm)
 
 
+def test_distribute_module_warns_of_a_layout_map_key_that_matches_nothing():
+    mesh = mesh22()
+    model = nn.Sequential(nn.Linear(4, 4))  # names "0.weight", "0.bias"
+    layout_map = {r"0\.weight$": ["model", U], r"^fc\.weight$": ["model", U], "0.bias": ["model"]}
+    with pytest.warns(UserWarning) as caught:
+        spmd.distribute_module(model, mesh, layout_map)
+    messages = [str(w.message) for w in caught]
+    assert messages == ["LayoutMap key '^fc\\.weight$' matches no parameter or buffer name of Sequential (keys "
+                        "are regexes searched in names such as '0.bias'), so its layout is not used"]
+    assert caught[0].filename == __file__  # the warning points at the call
+    assert spmd.fetch_layout(model[0].weight).sharding_specs == ["model", U]
+
+
 # -- distribute_module on a materialised model -------------------------------------------------------------------
 def test_distribute_module_copies_values_with_mapped_layouts():
     mesh = mesh22()
