@@ -45,8 +45,10 @@ KIND_LABEL = {"all_gather": "all-gather S0→R", "all_to_all": "all-to-all S0→
 RAW_CALL = {"all_gather": "`all_gather`", "all_to_all": "`all_to_all_single`",
             "reduce_scatter": "`all_reduce`: on gloo faster than `reduce_scatter_tensor`",
             "all_reduce": "`all_reduce`"}
-# raw torch.distributed moving the same data as spmd's relayout (where the plain call above moves other data)
-RAW_SAME = {"all_to_all": "column blocks stacked contiguous, then `all_to_all_single`"}
+# raw torch.distributed doing what spmd's relayout does: moving the same data (where the plain call above moves other
+# data) into a tensor of its own (the plain call above writes into one buffer allocated once)
+RAW_SAME = {"all_gather": "`all_gather` into a new N×N tensor",
+            "all_to_all": "column blocks stacked contiguous, then `all_to_all_single` into a new tensor"}
 MLP = (256, 1024, 4, 32)  # D, H, L, per-rank batch
 QUICK_MLP = (16, 32, 2, 4)
 
@@ -99,11 +101,18 @@ def _relayout_cases(n: int, rank: int, mesh, dmesh) -> dict:
     dt_p = TDT.from_local(partial_value, dmesh, [Partial()], run_check=False)
     parts = [torch.empty_like(half) for _ in range(2)]
     a2a_out = torch.empty_like(half)
-    a2a_blocks = torch.empty(2, n // 2, n // 2)
 
-    def raw_same_relayout():  # S0->S1 in raw torch.distributed: column blocks made contiguous, then exchanged
-        dist.all_to_all_single(a2a_blocks, torch.stack(half.chunk(2, 1)))
-        return a2a_blocks.view(n, n // 2)
+    # the same relayouts in raw torch.distributed, each returning a new tensor as a relayout does (a fresh buffer costs
+    # its first touch: on this CPU's allocator about as much as gloo's own copy)
+    def raw_same_gather():  # S0->R
+        out = torch.empty(n, n)
+        dist.all_gather(list(out.chunk(2, 0)), half)
+        return out
+
+    def raw_same_relayout():  # S0->S1: column blocks made contiguous, then exchanged
+        blocks = torch.empty(2, n // 2, n // 2)
+        dist.all_to_all_single(blocks, torch.stack(half.chunk(2, 1)))
+        return blocks.view(n, n // 2)
     ar = partial_value.clone()
     held = {"sum": spmd.DTensor(pending.clone(), Layout([U, U], mesh), (n, n), pending=("x",))}
 
@@ -113,6 +122,7 @@ def _relayout_cases(n: int, rank: int, mesh, dmesh) -> dict:
     cases = {
         "all_gather": {"spmd": lambda: spmd.relayout(s0, Layout([U, U], mesh)),
                        "raw": lambda: dist.all_gather(parts, half),
+                       "raw_same": raw_same_gather,
                        "dt": lambda: dt_s0.redistribute(dmesh, [Replicate()])},
         "all_to_all": {"spmd": lambda: spmd.relayout(s0, Layout([U, "x"], mesh)),
                        "raw": lambda: dist.all_to_all_single(a2a_out, half),
@@ -135,6 +145,7 @@ def _relayout_cases(n: int, rank: int, mesh, dmesh) -> dict:
         "all_reduce": (run(pending, mesh, to_r)[0], cases["all_reduce"]["dt"]().to_local(), value + (value + 1)),
     }
     ok = {k: bool(torch.allclose(a, c, atol=1e-6) and torch.allclose(b, c, atol=1e-6)) for k, (a, b, c) in checks.items()}
+    ok["all_gather"] &= bool(torch.equal(raw_same_gather(), value))
     ok["all_to_all"] &= bool(torch.equal(raw_same_relayout(), value.chunk(2, 1)[rank]))
     return cases, ok
 
@@ -146,7 +157,7 @@ def _relayouts(args, rank, mesh, dmesh) -> dict:
     for n in args.sizes:
         cases, ok = _relayout_cases(n, rank, mesh, dmesh)
         nbytes = n * n * 4
-        iters = max(2, min(200, int(2e8 / max(nbytes, 1) / 20))) if not args.quick else 2
+        iters = max(5, min(200, int(2e8 / max(nbytes, 1) / 20))) if not args.quick else 2  # >= 50 ms a repetition
         warm = 3 if args.quick else max(3, iters // 2)
         flat = {f"{k}/{v}": fn for k, variants in cases.items() for v, fn in variants.items()}
         res = time_cases(flat, iters, args.reps, warm=warm)
@@ -323,7 +334,9 @@ def report(data: dict) -> str:
         lines += ["## Relayout on a 1-D mesh of 2 clients × 1 device (fp32 N×N global)", "",
                   "µs per call; GB/s = global tensor bytes / time. raw = the torch.distributed collective on the "
                   "same bytes (`all_gather` of the local half; `all_to_all_single` of the local half, split into row "
-                  "blocks, and, as the same S0→S1 relayout, of its column blocks stacked contiguous; `all_reduce` "
+                  "blocks; both into buffers allocated once; and, as the same relayouts, returning a new tensor per "
+                  "call: `all_gather` into a new N×N tensor, `all_to_all_single` of the column blocks stacked "
+                  "contiguous into a new tensor; `all_reduce` "
                   "of the full summand for both pending-sum cases, since gloo has no reduce-scatter and spmd "
                   "all-reduces then slices). torch DT = `DTensor.redistribute` at world size 2. spmd S0→R and S0→S1 "
                   "are `spmd.relayout`; the pending-sum cases run spmd's relayout engine "
