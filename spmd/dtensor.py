@@ -179,6 +179,12 @@ class DTensor(torch.Tensor):
             grad = DTensor(stack, grad._layout, grad.shape)
         return grad
 
+    @classmethod
+    def __tangent_from_plain__(cls, plain: torch.Tensor, expected_meta) -> DTensor:
+        """The gradient autograd gives a compiled function's DTensor output that the backward did not reach: plain
+        zeros of its global shape (see `spmd.tracing`), laid out as traced."""
+        return _engine.distributed(plain, expected_meta[0]).__coerce_same_metadata_as_tangent__(expected_meta)
+
     def _stable_hash_for_caching(self) -> str:
         """What AOTAutograd's cache keys a compiled graph's DTensor input on: everything the graph was traced for
         (layout, shapes, strides, dtype, pending sum), so that no other input reuses it."""

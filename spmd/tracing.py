@@ -50,6 +50,7 @@ def prepare_dynamo() -> None:
     _skip_spmd_frames()
     _check_subclass_grads_by_their_inner_tensors()
     _key_subclasses_in_the_autograd_cache()
+    _take_plain_tangents_for_subclass_outputs()
     tag = f"spmd-{source_digest()}"
     if tag not in torch.compiler.config.cache_key_tag:
         torch.compiler.config.cache_key_tag += tag
@@ -145,6 +146,29 @@ def _key_subclasses_in_the_autograd_cache() -> None:
     AOTAutogradCachePickler.reducer_override = reducer_override
 
 
+def _take_plain_tangents_for_subclass_outputs() -> None:
+    """A compiled function's output that the backward does not reach (`a, b = f(x); a.sum().backward()`, or a step
+    that returns its logits with the loss it differentiates) gets a plain tensor of zeros as its gradient from
+    autograd, where AOTAutograd expects the subclass it traced: it raised (torch issue 172556). A subclass that
+    defines `__tangent_from_plain__(plain, meta)` (a DTensor: the plain tensor is a global value, laid out as traced)
+    is given the plain tangent to convert."""
+    try:  # a private class of torch; without it such a backward raises torch's error
+        from torch._functorch._aot_autograd.runtime_wrappers import AOTDispatchAutograd
+        from torch._functorch._aot_autograd.schemas import SubclassCreationMeta
+        process = AOTDispatchAutograd.process_runtime_tangent
+    except (ImportError, AttributeError):
+        return
+
+    def process_runtime_tangent(x, meta, *args, **kwargs):
+        if type(x) is torch.Tensor and isinstance(meta, SubclassCreationMeta):
+            from_plain = getattr(meta.original_subclass_type, "__tangent_from_plain__", None)
+            if from_plain is not None:
+                x = from_plain(x, meta.meta)
+        return process(x, meta, *args, **kwargs)
+
+    AOTDispatchAutograd.process_runtime_tangent = staticmethod(process_runtime_tangent)
+
+
 def _skip_spmd_frames() -> None:
     try:
         from torch._dynamo.eval_frame import set_code_exec_strategy
@@ -167,9 +191,10 @@ def _skip_spmd_frames() -> None:
                         _skip_code_tree(code, lambda c: set_code_exec_strategy(c, skip), seen)
 
 
-# the modules that run inside `__torch_dispatch__` (the user-facing API, e.g. relayout, is inlined by Dynamo)
+# the modules that run inside `__torch_dispatch__` or torch.compile's own runtime (this one's hook into AOTAutograd,
+# called from a backward that a graph break leaves eager); the user-facing API, e.g. relayout, is inlined by Dynamo
 _RUNTIME = ("spmd.engine", "spmd.collectives", "spmd.dtensor",
-            "spmd.api", "spmd.ops", "spmd.controller")
+            "spmd.api", "spmd.ops", "spmd.controller", "spmd.tracing")
 # properties that torch's compiled code reads at run time (a DTensor's inner tensor, `__tensor_flatten__`)
 _READ_BY_COMPILED_CODE = ("_inner",)
 

@@ -24,6 +24,7 @@ from torch._functorch._aot_autograd.autograd_cache import AOTAutogradCachePickle
 import spmd
 from spmd import UNSHARDED, Layout, function_mode, tracing
 from spmd.collectives.local import shared
+from spmd.engine import dispatch
 from sweep import all_layouts, components, gather
 
 U = UNSHARDED
@@ -535,6 +536,64 @@ def test_training_step_matches_plain_torch(backend):
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         assert isinstance(p, spmd.DVariable), name
         torch.testing.assert_close(gather(p), q.detach(), rtol=1e-4, atol=atol)
+
+
+@pytest.mark.parametrize("layout", [["x", U], [U, U]])
+def test_an_output_the_backward_does_not_reach_gets_a_zero_gradient(mesh22, layout):
+    """Autograd gives such an output plain zeros as its gradient, where the compiled backward expects the DTensor it
+    traced: torch raised ("Expected a DTensor tangent but got a plain Tensor")."""
+    value = torch.randn(4, 4, dtype=torch.float64)
+    x, eager_x = (spmd.copy_to_mesh(value, Layout(layout, mesh22)).requires_grad_() for _ in range(2))
+    a, b = spmd.function(lambda t: (t * 2).split(2, dim=1), backend="aot_eager")(x)
+    a.sum().backward()
+    eager_a, _ = (eager_x * 2).split(2, dim=1)
+    eager_a.sum().backward()
+    assert spmd.fetch_layout(x.grad) == spmd.fetch_layout(eager_x.grad)
+    assert components(x.grad) == components(eager_x.grad)
+    assert gather(x.grad).tolist() == [[2.0, 2.0, 0.0, 0.0]] * 4
+
+
+def test_a_training_step_may_return_what_its_loss_was_computed_from(mesh22):
+    """A step returning (logits, loss): the forward graph before `loss.backward()` outputs both, and the backward
+    reaches only the loss."""
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(4, 3)
+    model = spmd.distribute_module(copy.deepcopy(ref), mesh22)
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+
+    def step(x, y):
+        logits = model(x)
+        loss = F.cross_entropy(logits, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return logits, loss
+
+    compiled = spmd.function(step, backend="aot_eager", fullgraph=False)
+    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    dx, dy = spmd.copy_to_mesh(x, Layout(["x", U], mesh22)), spmd.copy_to_mesh(y, Layout(["x"], mesh22))
+    for _ in range(2):
+        logits, loss = compiled(dx, dy)
+        ref_logits = ref(x)
+        ref_loss = F.cross_entropy(ref_logits, y)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        torch.testing.assert_close(gather(logits), ref_logits.detach())
+        torch.testing.assert_close(loss.item(), ref_loss.item())
+    torch.testing.assert_close(gather(model.weight), ref.weight.detach())
+
+
+def test_a_cast_with_gradients_traces_before_any_eager_call(mesh22, monkeypatch):
+    """Checking the backward's `_to_copy` on meta tensors under the trace's Python dispatcher recursed without end;
+    an empty dispatch cache makes every op a first call, whatever ran earlier in the process."""
+    monkeypatch.setattr(dispatch, "_CACHE", {})
+    value = torch.randn(4, 4, dtype=torch.float64)
+    x = spmd.copy_to_mesh(value, Layout(["x", U], mesh22)).requires_grad_()
+    out = spmd.function(lambda t: t.float() * 3, backend="aot_eager")(x)
+    assert out.dtype == torch.float32 and gather(out).tolist() == (value.float() * 3).tolist()
+    out.sum().backward()
+    assert x.grad.dtype == torch.float64 and gather(x.grad).tolist() == [[3.0] * 4] * 4
 
 
 def test_torch_compile_directly_on_dtensors(mesh22):

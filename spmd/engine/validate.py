@@ -16,6 +16,7 @@ import re
 
 import torch
 import torch.utils._pytree as pytree
+from torch._dispatch.python import no_python_dispatcher
 from torch._prims_common import canonicalize_dim
 from torch.utils._python_dispatch import _disable_current_modes
 
@@ -38,7 +39,9 @@ def check_like_torch(func, args, kwargs) -> None:
         return
     if func in _DIM_UNCHECKED_BY_META:
         _check_dim(func, args, kwargs)
-    with _disable_current_modes():  # inside a trace: check, do not record
+    # inside a trace: check, do not record, and run the meta kernels as eagerly (the trace's Python dispatcher sent
+    # `_to_copy` of a meta tensor to a CPU device into endless recursion)
+    with _disable_current_modes(), no_python_dispatcher():
         try:
             meta_args, meta_kwargs = pytree.tree_map(_meta, (args, kwargs))
         except _Unchecked:
