@@ -107,3 +107,32 @@ def test_function_traces_llama_in_one_graph(mesh):
     loss = spmd.function(lambda x: model(input_ids=x, labels=x).loss, backend="aot_eager", fullgraph=True)
     got = loss(spmd.copy_to_mesh(ids, Layout(["batch", U], mesh)))
     torch.testing.assert_close(got.item(), ref(input_ids=ids, labels=ids).loss.item(), rtol=1e-5, atol=0)
+
+
+def test_function_trains_llama_and_returns_its_output(mesh):
+    """A whole step under `spmd.function` returning the model's output: its logits are an output the backward of the
+    loss does not reach (they get zero gradients laid out as traced)."""
+    torch.manual_seed(0)
+    ref, layouts = _llama("sdpa")
+    model = spmd.distribute_module(copy.deepcopy(ref), mesh, LayoutMap(layouts))
+    opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=1e-3), torch.optim.AdamW(ref.parameters(), lr=1e-3)
+
+    def step(x):
+        out = model(input_ids=x, labels=x)
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return out
+
+    compiled = spmd.function(step, backend="aot_eager", fullgraph=False)
+    ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(1))
+    x = spmd.copy_to_mesh(ids, Layout(["batch", U], mesh))
+    for _ in range(2):
+        out = compiled(x)
+        want = ref(input_ids=ids, labels=ids)
+        want.loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        _close(spmd.to_global(out.logits), want.logits.detach(), "logits")
+        torch.testing.assert_close(out.loss.item(), want.loss.item(), rtol=1e-5, atol=0)
+    assert compiled.experimental_get_tracing_count() == 1
