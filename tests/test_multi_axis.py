@@ -186,6 +186,29 @@ def test_pointwise_and_sums_run_on_the_blocks_as_they_are():
     torch.testing.assert_close(spmd.to_global(out), torch.cumsum(a, 1))
 
 
+def test_pointwise_of_two_tuples_sharing_a_minor_mesh_dim_gathers_it():
+    """("c", "a") on one axis and ("b", "a") on the other: renamed back, the output would shard over `a` twice (an
+    AssertionError in the planner); the outer dims' decision stands, `a` gathered from both operands."""
+    a, b = rand(4, 4), rand(1, 4, seed=1)
+    da = spmd.copy_to_mesh(a, Layout([("c", "a"), U], MESH3))
+    db = spmd.copy_to_mesh(b, Layout([U, ("b", "a")], MESH3))
+    out, kinds = _kinds(lambda: da + db)
+    assert spmd.fetch_layout(out) == Layout(["c", "b"], MESH3)
+    assert sorted(kinds) == [("all_gather", ("a",)), ("all_gather", ("a",))]
+    check_replicas(out)
+    torch.testing.assert_close(spmd.to_global(out), a + b)
+
+
+def test_an_in_place_op_that_would_change_its_targets_multi_axis_layout_says_so():
+    y, w = rand(4, 2, 4), rand(4, seed=1)
+    dy = spmd.copy_to_mesh(y, Layout([U, U, "x+y"], MESH))
+    dw = spmd.copy_to_mesh(w, Layout(["x+y"], MESH))
+    with pytest.raises(spmd.UnsupportedOpError, match=r"layout \['unsharded', 'unsharded', 'x\+y'\]; this op computes "
+                                                      r"it as \['unsharded', 'unsharded', 'x'\].*out-of-place"):
+        dy.clone().mul_(dw)
+    torch.testing.assert_close(spmd.to_global(dy * dw), y * w)
+
+
 def test_linear_forward_backward_and_adamw_step():
     torch.manual_seed(0)
     plain = torch.nn.Linear(4, 8, dtype=torch.float64)

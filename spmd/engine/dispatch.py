@@ -424,7 +424,10 @@ def _plan_from_decision(decision: Decision, call: OpCall, tensors, args, kwargs)
         have = t._layout.axes
         want = t._layout.outer_axes if want is None else tuple(want)
         if decision.inplace and i == 0 and want != have:
-            raise UnsupportedOpError(f"{call.describe()}: in-place op would change the layout of its target")
+            raise UnsupportedOpError(
+                f"{call.describe()}: in-place op would change the layout of its target (layout "
+                f"{t._layout.sharding_specs}; this op computes it as {Layout.from_axes(want, mesh).sharding_specs})"
+                ". Use the out-of-place form (`y = y * w` for `y.mul_(w)`), or relayout the operands first")
         pending = () if i in decision.keeps else t._pending  # a kept sum is relayouted unreduced: still a sum
         steps = planner.plan_on(mesh, have, want, pending, t._pending_op)
         if pending and not any(s.kind is Kind.REDUCE_SCATTER for s in steps):
