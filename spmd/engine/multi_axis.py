@@ -42,25 +42,20 @@ def adapt(decision: Decision, entry, tensors) -> Decision:
     renamed = tuple(rename(a) for a in inputs)
     if decision.inplace and renamed[0] != tensors[0]._layout.axes:
         return decision  # the target keeps its layout: the others are relayouted to what the rule asked
-    outputs = tuple(rename(a) for a in decision.outputs)
-    if any(_uses_a_dim_twice(axes) for axes in renamed + outputs if axes is not None):
-        return decision  # two tuples that share a minor mesh dim (("c", "a") and ("b", "a")) on different axes
     # a reduction over an outer dim (a sum over the axis, a contraction) becomes one over all of its mesh dims
     reduce = tuple(tuple(d for m in dims for d in axis_dims(names.get(m, m))) for dims in decision.reduce)
-    return dataclasses.replace(decision, inputs=renamed, outputs=outputs, reduce=reduce)
-
-
-def _uses_a_dim_twice(axes) -> bool:
-    dims = [d for axis in axes if axis is not None for d in axis_dims(axis)]
-    return len(dims) != len(set(dims))
+    return dataclasses.replace(decision, inputs=renamed,
+                               outputs=tuple(rename(a) for a in decision.outputs), reduce=reduce)
 
 
 def _renaming(tensors) -> dict | None:
-    """outer mesh dim -> the tuple it stands for, if every multi-axis input agrees; None otherwise."""
+    """outer mesh dim -> the tuple it stands for, if every multi-axis input agrees and no two tuples share a mesh
+    dim (`("c", "a")` and `("b", "a")`: renamed back, `a` would shard two axes); None otherwise."""
     names: dict = {}
     for t in tensors:
         for axis in t._layout.axes:
             dims = axis_dims(axis)
             if len(dims) > 1 and names.setdefault(dims[0], dims) != dims:
                 return None
-    return names
+    used = [d for dims in names.values() for d in dims]
+    return names if len(used) == len(set(used)) else None
