@@ -200,9 +200,8 @@ def _plan(module: nn.Module, mesh: Mesh, layout_map: LayoutMap, kind: str):
     return plan
 
 
-def _warn_unmatched(layout_map: LayoutMap, module: nn.Module) -> None:
-    names = [n for n, _ in module.named_parameters(remove_duplicate=False)] + \
-            [n for n, _ in module.named_buffers(remove_duplicate=False)]
+def _warn_unmatched(layout_map: LayoutMap, module: nn.Module, plans) -> None:
+    names = [name for _, places, _ in plans for _, _, name in places]
     for key in layout_map.unmatched(names):
         example = f" such as {names[-1]!r}" if names else ""
         warnings.warn(f"LayoutMap key '{key}' matches no parameter or buffer name of {type(module).__name__} "
@@ -277,9 +276,9 @@ def distribute_module(module: nn.Module, mesh: Mesh, layout_map=None,
     if not isinstance(mesh, Mesh):
         raise LayoutError(f"distribute_module expects a spmd.Mesh, got {type(mesh).__name__}")
     layout_map = _as_layout_map(layout_map)
-    _warn_unmatched(layout_map, module)
     params = _plan(module, mesh, layout_map, "parameter")
     buffers = _plan(module, mesh, layout_map, "buffer")
+    _warn_unmatched(layout_map, module, params + buffers)
     compute_layouts = [layout for _, _, layout in params]
     if shard_parameters is not None:
         params = [(t, places, sharded_layout(layout, tuple(t.shape), shard_parameters))
