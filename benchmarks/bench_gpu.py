@@ -335,6 +335,7 @@ class Child:
                     "--_config", json.dumps(dict(cfg, gate=gate))]
         cache = os.path.join(cfg["scratch"], f"inductor-{name}") if cfg.get("scratch") else None
         self.start = time.monotonic()
+        self.deadline = self.start + timeout
         self.proc = subprocess.Popen(self.cmd, stdin=subprocess.PIPE if gate else subprocess.DEVNULL,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                      env=child_env(cfg["device"], cache), cwd=ROOT, start_new_session=True)
@@ -353,14 +354,16 @@ class Child:
                 self.ready.set()
 
     def left(self) -> float:
-        return self.start + self.timeout - time.monotonic()
+        return self.deadline - time.monotonic()
 
     def wait_ready(self) -> None:
         """Until the child has compiled and waits, has exited, or its time is up."""
         while not self.ready.wait(0.2) and self.proc.poll() is None and self.left() > 0:
             pass
 
-    def go(self) -> None:
+    def go(self, seconds: float) -> None:
+        """Lets a gated child run its timed steps, for at most `seconds` from now."""
+        self.timeout, self.deadline = seconds, time.monotonic() + seconds
         try:
             self.proc.stdin.write("GO\n")
             self.proc.stdin.flush()
@@ -401,14 +404,21 @@ def run_variant(name: str, cfg: dict, timeout: float, logs: str | None) -> dict:
     return Child(name, cfg, timeout, logs).finish()
 
 
-def run_gated(names: list[str], cfg: dict, timeouts: dict, logs: str | None, done) -> None:
-    """The variants start together and compile concurrently (their first steps overlap), then each is let go in
-    turn while the others wait, so that every timed step has the machine to itself. `done(name, result)` is called
-    as each finishes."""
+def run_gated(names: list[str], cfg: dict, timeouts: dict, run_timeout, logs: str | None, done) -> None:
+    """The variants start together and compile concurrently (their first steps overlap), each for at most
+    `timeouts[name]` seconds; once all have compiled, each is let go in turn while the others wait, for at most
+    `run_timeout(name)` seconds (None: not run), so that every timed step has the machine to itself (none overlaps
+    another's compilation). `done(name, result)` is called as each finishes."""
     children = [Child(n, cfg, timeouts[n], logs, gate=True) for n in names]
     for c in children:
         c.wait_ready()
-        c.go()
+    for c in children:
+        seconds = run_timeout(c.name) if c.ready.is_set() else 0  # (not ready: it failed, or ran out of time)
+        if seconds is None:
+            _kill(c.proc)
+            continue
+        if seconds:
+            c.go(seconds)
         done(c.name, c.finish())
 
 
@@ -485,8 +495,8 @@ def run_all(names, cfg: dict, a, data: dict) -> None:
 def _run_all(names, cfg: dict, a, data: dict) -> None:
     start = time.monotonic()
 
-    def timeout(name: str, extra: float = 0) -> float | None:
-        t = (a.compile_timeout if name in COMPILED else a.timeout) + extra
+    def timeout(name: str, seconds: float | None = None) -> float | None:
+        t = seconds or (a.compile_timeout if name in COMPILED else a.timeout)
         if a.budget:
             left = a.budget - (time.monotonic() - start) - 5
             if left < 20:
@@ -505,9 +515,10 @@ def _run_all(names, cfg: dict, a, data: dict) -> None:
     for name in order(names):
         if name not in gated and (t := timeout(name)) is not None:
             done(name, run_variant(name, cfg, t, a.logs))
-    # a gated variant also waits while those before it run their timed steps: 30 s more for each
-    timeouts = {n: timeout(n, 30 * i) for i, n in enumerate(gated)}
-    run_gated([n for n in gated if timeouts[n] is not None], cfg, timeouts, a.logs, done)
+    # a gated variant's compilation has the compile timeout; its timed steps, once all have compiled, the eager one
+    timeouts = {n: timeout(n) for n in gated}
+    run_gated([n for n in gated if timeouts[n] is not None], cfg, timeouts, lambda n: timeout(n, a.timeout), a.logs,
+              done)
 
 
 def record(data: dict, name: str, res: dict, cfg: dict) -> None:
@@ -539,8 +550,9 @@ def caption(data: dict) -> str:
             f"{cfg['d_model']}, {cfg['n_head']} heads, vocabulary {cfg['vocab_size']}, {params}; batch "
             f"{cfg['batch_size']} × {cfg['block_size']} random tokens; AdamW lr {LR:g} (torch's defaults). Median of "
             f"{data['steps']} steps after {data['warm']} warm-up steps, each variant in a fresh process"
-            + (f" ({', '.join(data['concurrent_compile'])} compiled at the same time, then timed one at a time: "
-               "their first steps include that contention)" if data.get("concurrent_compile") else "")
+            + (f" ({', '.join(data['concurrent_compile'])} compiled at the same time, then, once all had compiled, "
+               "timed one at a time: their first steps include that contention)"
+               if data.get("concurrent_compile") else "")
             + "; `benchmarks/bench_gpu.py`.")
 
 

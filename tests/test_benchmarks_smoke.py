@@ -100,14 +100,17 @@ def test_bench_gpu_quick(tmp_path):
 
 def test_bench_gpu_reports_a_failing_or_hanging_variant(tmp_path):
     """A variant that raises or runs past its timeout comes back as an error with its log's end, not an exception,
-    also when variants start together (--concurrent-compile) and one of them fails before it is let go."""
+    also when variants start together (--concurrent-compile) and one of them fails before it is let go; one that
+    the budget leaves no time for is not let go at all."""
     cfg = dict(bench_gpu.QUICK, device="cpu", dtype="float32", warm=1, steps=1, threads=1, batch_size=6,
                scratch=str(tmp_path))  # a batch of 6 does not divide over the 8-device mesh's batch=4
-    results = {}
-    bench_gpu.run_gated(["spmd8", "spmd1"], cfg, {"spmd8": 120, "spmd1": 120}, str(tmp_path), results.__setitem__)
+    results, names = {}, ["spmd8", "spmd1", "plain"]
+    bench_gpu.run_gated(names, cfg, dict.fromkeys(names, 120), lambda name: None if name == "plain" else 60,
+                        str(tmp_path), results.__setitem__)
     assert "IndivisibleError" in results["spmd8"]["error"] and results["spmd8"]["traceback_tail"]
     assert (tmp_path / "spmd8.log").exists()
     assert "error" not in results["spmd1"] and results["spmd1"]["median_ms"] > 0
+    assert "plain" not in results
     hung = bench_gpu.run_variant("plain", cfg, timeout=0.5, logs=None)
     assert hung["error"].startswith("timed out after")
 
