@@ -172,6 +172,70 @@ def test_ops_match_torch(name, fn, inputs):
         assert check_op(fn, inputs, layouts=_multi(*shapes)) > 1
 
 
+_VIEWS = [
+    ("view_same", lambda a: a.view(8, 8)),
+    ("view_split0", lambda a: a.view(4, 2, 8)),
+    ("view_split0_minor_gathered", lambda a: a.view(2, 4, 8)),
+    ("view_split1", lambda a: a.view(8, 2, 4)),
+    ("flatten", lambda a: a.reshape(64)),
+    ("permute", lambda a: a.permute(1, 0).contiguous()),
+    ("transpose", lambda a: a.transpose(0, 1) * 2),
+    ("unsqueeze_squeeze", lambda a: a.unsqueeze(1).squeeze(1) + a.unsqueeze(0)[0]),
+    ("full_slice", lambda a: a[:, :]),
+    ("slice_rows", lambda a: a[2:6]),
+    ("slice_cols", lambda a: a[:, 1:5]),
+    ("select", lambda a: a[:, 3]),
+    ("split", lambda a: torch.cat([p * i for i, p in enumerate(a.split(3, 1))], 1)),
+    ("unbind", lambda a: torch.stack(a.unbind(1)[::2], 1)),
+    ("cat_same", lambda a: torch.cat([a, a * 2], 1)),
+    ("expand", lambda a: a[:, :1].expand(8, 8) + a),
+    ("in_place_transpose", lambda a: (a * 1).t_() + 1),
+]
+
+
+@pytest.mark.parametrize("mesh", [MESH, MESH3], ids=["2x2", "2x2x2"])
+@pytest.mark.parametrize("name, fn", _VIEWS, ids=[v[0] for v in _VIEWS])
+def test_views_match_torch(name, fn, mesh):
+    """The view and shape rules see multi-axis layouts whole (values, gradients and every device's component)."""
+    assert check_op(fn, [rand(8, 8)], layouts=_multi((8, 8), mesh=mesh)) > 1
+
+
+@pytest.mark.parametrize("specs, fn, out_specs, kinds", [
+    ([("x", "y"), U], lambda a: a.view(8, 8), [("x", "y"), U], []),
+    ([("x", "y"), U], lambda a: a[:, :], [("x", "y"), U], []),
+    ([("x", "y"), U], lambda a: a[:, 1:5], [("x", "y"), U], []),
+    ([U, ("y", "x")], lambda a: a[3], [("y", "x")], []),
+    ([("x", "y"), U], lambda a: a.t(), [U, ("x", "y")], []),
+    ([("x", "y"), U], lambda a: a.reshape(64), [("x", "y")], []),
+    ([("x", "y"), U], lambda a: a.view(4, 2, 8), [("x", "y"), U, U], []),
+    # 8 rows as 2 × 4: x's 2 blocks divide the 2, the 4 blocks of ("x", "y") do not: y alone is gathered
+    ([("x", "y"), U], lambda a: a.view(2, 4, 8), ["x", U, U], [("all_gather", ("y",))]),
+    ([("x", "y"), U], lambda a: torch.cat([a, a], 1), [("x", "y"), U], []),
+    ([("x", "y"), U], lambda a: a[2:6], [U, U], [("all_gather", ("y",)), ("all_gather", ("x",))]),
+])
+def test_views_keep_multi_axis_layouts(specs, fn, out_specs, kinds):
+    """A view that moves a multi-axis sharded axis whole keeps its layout, with no collective (these rules used to
+    see the outer mesh dim only and gathered the minor ones first)."""
+    a = rand(8, 8)
+    out, got = _kinds(lambda: fn(spmd.copy_to_mesh(a, Layout(specs, MESH))))
+    assert spmd.fetch_layout(out) == Layout(out_specs, MESH) and got == kinds
+    check_replicas(out)
+    torch.testing.assert_close(spmd.to_global(out), fn(a))
+
+
+def test_compiled_output_aliasing_a_multi_axis_input_keeps_its_layout():
+    """AOTAutograd regenerates an output that aliases an input outside the graph (`_unsafe_view` of the input): it
+    keeps the input's layout, as eagerly, with no collective."""
+    a = rand(8, 8)
+    x = spmd.copy_to_mesh(a, XY).requires_grad_()
+    f = spmd.function(lambda v: v[:, :], backend="aot_eager")
+    out, kinds = _kinds(lambda: f(x))
+    assert spmd.fetch_layout(out) == XY and kinds == []
+    out.sum().backward()
+    assert spmd.fetch_layout(x.grad) == XY
+    torch.testing.assert_close(spmd.to_global(x.grad), torch.ones_like(a))
+
+
 def test_pointwise_and_sums_run_on_the_blocks_as_they_are():
     a, b = rand(8, 4), rand(8, 4, seed=1)
     da, db = spmd.copy_to_mesh(a, XY), spmd.copy_to_mesh(b, XY)
@@ -199,14 +263,36 @@ def test_pointwise_of_two_tuples_sharing_a_minor_mesh_dim_gathers_it():
     torch.testing.assert_close(spmd.to_global(out), a + b)
 
 
-def test_an_in_place_op_that_would_change_its_targets_multi_axis_layout_says_so():
-    y, w = rand(4, 2, 4), rand(4, seed=1)
-    dy = spmd.copy_to_mesh(y, Layout([U, U, "x+y"], MESH))
-    dw = spmd.copy_to_mesh(w, Layout(["x+y"], MESH))
-    with pytest.raises(spmd.UnsupportedOpError, match=r"layout \['unsharded', 'unsharded', 'x\+y'\]; this op computes "
-                                                      r"it as \['unsharded', 'unsharded', 'x'\].*out-of-place"):
-        dy.clone().mul_(dw)
-    torch.testing.assert_close(spmd.to_global(dy * dw), y * w)
+@pytest.mark.parametrize("mesh, target, other, shape, kinds", [
+    (MESH, [U, U, "x+y"], ["x+y"], (4,), []),  # a lower-rank operand, broadcast from the target's blocks
+    (MESH, [U, "x+y"], [U, "y+x"], (4, 4), [("permute", ("x", "y"))]),
+    (MESH, [U, "x+y"], ["x", U], (4, 4), [("all_to_all", ("x",))]),  # (then a local slice for y)
+    (MESH3, ["c+b", "a", U], ["b+a"], (4,), [("all_gather", ("a",)), ("all_gather", ("b",))]),
+])
+def test_in_place_ops_keep_a_multi_axis_targets_layout(mesh, target, other, shape, kinds):
+    """An in-place elementwise op writes into its multi-axis target as it is: the other operand is relayouted to
+    the target's blocks (its rule used to see the outer dim only, and the op was refused)."""
+    y, w = rand(4, 2, 4) if len(target) == 3 else rand(4, 4), rand(*shape, seed=1)
+    dy = spmd.copy_to_mesh(y, Layout(target, mesh))
+    dw = spmd.copy_to_mesh(w, Layout(other, mesh))
+    for op, want in ((lambda a, b: a.mul_(b), y * w), (lambda a, b: a.copy_(b.expand(a.shape)), w.expand(y.shape))):
+        out, got = _kinds(lambda: op(dy.clone(), dw))
+        assert spmd.fetch_layout(out) == Layout(target, mesh)
+        check_replicas(out)
+        torch.testing.assert_close(spmd.to_global(out), want)
+    assert _kinds(lambda: dy.clone().mul_(dw))[1] == kinds
+
+
+def test_a_blockwise_op_keeps_outer_dims_where_the_finer_blocks_do_not_divide():
+    """`a @ w` with `a`'s columns over ("y", "x") (4 blocks) and `w`'s 2 columns over `y`: renamed back to the
+    tuple, `w`'s 2 columns would be split 4 ways (a shape error); the outer dims' decision stands instead."""
+    a, w = rand(8, 4), rand(4, 2, seed=1)
+    da = spmd.copy_to_mesh(a, Layout([U, "y+x"], MESH))
+    dw = spmd.copy_to_mesh(w, Layout([U, "y"], MESH))
+    out, kinds = _kinds(lambda: da @ dw)
+    assert spmd.fetch_layout(out) == Layout([U, "y"], MESH)
+    assert kinds == [("all_gather", ("x",)), ("all_gather", ("y",))]
+    torch.testing.assert_close(spmd.to_global(out), a @ w)
 
 
 def test_linear_forward_backward_and_adamw_step():

@@ -284,6 +284,17 @@ def test_op_other_meshes(case, mesh):
     assert check_op(fn, inputs, mesh=mesh, sample=6) >= 1
 
 
+@pytest.mark.parametrize("mesh", [MESH, MESH_2x2x2], ids=["2x2", "2x2x2"])
+@pytest.mark.parametrize("case", [pytest.param(v.values[0], id=k, marks=v.marks) if hasattr(v, "marks")
+                                  else pytest.param(v, id=k) for k, v in CASES.items()])
+def test_op_multi_axis(case, mesh):
+    """The same ops with axes sharded over several mesh dims (`"x+y"`) among the layouts, on a sample."""
+    fn, inputs, *_ = case
+    tensors = [x.value if isinstance(x, Const) else x for x in inputs if isinstance(x, (torch.Tensor, Const))]
+    layouts = [all_layouts(mesh, t.shape, multi=True) for t in tensors]
+    assert check_op(fn, inputs, mesh=mesh, layouts=layouts, sample=6) >= 1
+
+
 # -- a transformer block end to end -------------------------------------------------------------------------------
 def _block(x, w_qkv, w_o, w1, w2, ln_w):
     b, s, d = x.shape

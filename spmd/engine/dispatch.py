@@ -372,7 +372,7 @@ def _make_plan(func, args, kwargs, tensors) -> _Plan:
                 "spmd.relayout_like / spmd.copy_to_mesh first.")
     it = iter(tensors)
     entry = registry.lookup(func)
-    native = entry is not None and entry.multi_axis  # else rules see a multi-axis input's outer dims only
+    native = multi_axis.sees_whole(entry, func, args)  # else rules see a multi-axis input's outer dims only
 
     # a `same` sum (each device already holds its group's sum: engine/rules/contraction.py) passes through ops
     # linear in it as a `sum` does, unless it meets a `sum`: then it is resolved first (one sum is kept per op)
@@ -394,7 +394,7 @@ def _make_plan(func, args, kwargs, tensors) -> _Plan:
     decide = _fallback_decision if entry is None else entry.rule
     decision = decide(call)
     if multi:  # rules saw each multi-axis input sharded over its outer dim
-        decision = multi_axis.adapt(decision, entry, tensors)
+        decision = multi_axis.adapt(decision, entry, tensors, native)
     plan = _plan_from_decision(decision, call, tensors, args, kwargs)
     if _replicated(func, plan, tensors):
         # rules are pure: the same op on a stack of one device's components decides the kernel for that stack

@@ -6,20 +6,38 @@ whatever the rule then asks (at the least, gathering the minor mesh dims). A rul
 kernel acts per element or block and reads no mesh coordinate: pointwise ops, copies, sums, matrix products) is
 exact on the finer blocks too, so its decision is renamed back instead: each outer mesh dim becomes the full
 tuple again. `a + b` of two `("x", "y")`-sharded tensors runs on the components as they are, and a sum over a
-`("x", "y")`-sharded axis leaves a sum pending over both mesh dims.
+`("x", "y")`-sharded axis leaves a sum pending over both mesh dims. An in-place blockwise op on a multi-axis
+target (`y.mul_(w)`, `y.copy_(w)`) keeps the target's layout whatever the other operands': its rule sees the real
+axes (it aligns the operands to the target's axes, as given), and the others are relayouted to them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
+from spmd.dtensor import DTensor
 from spmd.engine.decision import Decision
 from spmd.layout import axis_dims
 
 
-def adapt(decision: Decision, entry, tensors) -> Decision:
-    """The decision a rule made on the outer axes of `tensors`, for their multi-axis layouts where it holds."""
-    if entry is not None and entry.multi_axis:  # the rule saw the real axes: "any layout" keeps them
+def sees_whole(entry, func, args) -> bool:
+    """Whether the rule of `func` is shown multi-axis layouts as they are: one registered `multi_axis`, or a
+    blockwise one writing in place into a multi-axis target (its decision keeps the target's layout)."""
+    if entry is None:
+        return False
+    if entry.multi_axis:
+        return True
+    if not entry.blockwise or not args or not isinstance(args[0], DTensor) or not args[0]._layout.multi_axis:
+        return False
+    written = func._schema.arguments[0].alias_info
+    return written is not None and written.is_write
+
+
+def adapt(decision: Decision, entry, tensors, native: bool) -> Decision:
+    """The decision a rule made on the outer axes of `tensors` (the real ones where `native`), for their
+    multi-axis layouts where it holds."""
+    if native:  # the rule saw the real axes: "any layout" keeps them
         return dataclasses.replace(decision, inputs=tuple(t._layout.axes if want is None else want
                                                           for t, want in zip(tensors, decision.inputs)))
     if entry is None or not entry.blockwise or decision.collectives or decision.keeps:
@@ -40,6 +58,10 @@ def adapt(decision: Decision, entry, tensors) -> Decision:
         return None if axes is None else tuple(names.get(m, m) for m in axes)
 
     renamed = tuple(rename(a) for a in inputs)
+    mesh = tensors[0]._layout.mesh
+    if any(size % math.prod(mesh.dim_size(d) for d in axis_dims(m))
+           for t, axes in zip(tensors, renamed) for size, m in zip(t.shape, axes)):
+        return decision  # an axis the finer blocks do not divide (`a @ w`, `w` of 2 columns where `a` has 4 blocks)
     if decision.inplace and renamed[0] != tensors[0]._layout.axes:
         return decision  # the target keeps its layout: the others are relayouted to what the rule asked
     # a reduction over an outer dim (a sum over the axis, a contraction) becomes one over all of its mesh dims

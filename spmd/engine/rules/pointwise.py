@@ -15,6 +15,7 @@ import torch
 from spmd.engine.registry import register, register_family
 from spmd.engine.decision import Decision, OpCall, TensorSpec, unsupported
 from spmd.engine.rules.common import generic_kernel
+from spmd.layout import axis_dims
 
 aten = torch.ops.aten
 
@@ -126,7 +127,7 @@ def _linear_in_pending(call: OpCall, specs: list[TensorSpec], out_axes: tuple):
     kind = _LINEAR.get(call.func)
     dims = next((s.pending for s in specs if s.pending), ())
     # a device holds a partial sum of its block; an output sharded over a summed dim would mix different blocks
-    if kind is None or not dims or set(dims) & set(out_axes):
+    if kind is None or not dims or set(dims) & {d for m in out_axes for d in axis_dims(m)}:
         return (), ()
     pending = [s.pending for s in specs]
     if kind == "both":

@@ -3,7 +3,9 @@
 Why the rules hold: these ops move elements without combining them, so a sharded axis survives whenever its
 blocks map onto contiguous blocks of one output axis (permute, unsqueeze, expand of other axes, a reshape
 whose segment starts with the sharded axis). Otherwise the axis is gathered first: the answer never depends
-on the layout.
+on the layout. The same holds for an axis sharded over several mesh dims (`"x+y"`: its blocks are ordered as one
+mesh dim of their product's size), so the rules that move axes whole, and the reshapes, are registered
+`multi_axis`: a view of such an axis keeps it, instead of gathering its minor mesh dims.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from spmd.engine.registry import lookup, register
 from spmd.engine.decision import Decision, OpCall, TensorSpec, unsupported
 from spmd.engine.rules.common import generic_kernel, norm_dim, shard_starts, zero_d_as_one_element
 from spmd.engine.rules.reduction import arg, arg_index
+from spmd.layout import axis_dims
 
 aten = torch.ops.aten
 
@@ -43,8 +46,9 @@ def _segments(a: tuple, b: tuple) -> list[tuple[range, range]]:
     return segs
 
 
-def reshape_axes(in_shape: tuple, in_axes: tuple, out_shape: tuple, mesh) -> tuple[tuple, tuple]:
-    """(required input axes, output axes) for reshaping `in_shape` to `out_shape`."""
+def reshape_axes(in_shape: tuple, in_axes: tuple, out_shape: tuple, shards) -> tuple[tuple, tuple]:
+    """(required input axes, output axes) for reshaping `in_shape` to `out_shape`; `shards(m)`: how many blocks
+    an axis sharded over `m` has."""
     if math.prod(in_shape) == 0:
         return (None,) * len(in_shape), (None,) * len(out_shape)
     need, out = list(in_axes), [None] * len(out_shape)
@@ -54,13 +58,23 @@ def reshape_axes(in_shape: tuple, in_axes: tuple, out_shape: tuple, mesh) -> tup
         for i in ins:
             if i != lead_in:
                 need[i] = None
-        m = None if lead_in is None else need[lead_in]
-        if m is not None:
-            if lead_out is not None and out_shape[lead_out] % mesh.dim_size(m) == 0:
-                out[lead_out] = m
-            else:
-                need[lead_in] = None
+        if lead_in is not None and need[lead_in] is not None:
+            kept = None if lead_out is None else _dividing(need[lead_in], out_shape[lead_out], shards)
+            need[lead_in] = kept
+            if kept is not None:
+                out[lead_out] = kept
     return tuple(need), tuple(out)
+
+
+def _dividing(m, size: int, shards):
+    """The longest major part of the mesh dims `m` (one, or a tuple) whose blocks divide `size`, or None: an axis
+    sharded over `("x", "y")` that only `x`'s blocks divide keeps `x` (its minor dim `y` gathered)."""
+    dims = axis_dims(m)
+    for k in range(len(dims), 0, -1):
+        part = dims[0] if k == 1 else dims[:k]
+        if size % shards(part) == 0:
+            return part
+    return None
 
 
 def _infer_size(size, numel: int) -> tuple:
@@ -88,17 +102,18 @@ def keeps_pending(rule):
     return with_pending
 
 
-@register(aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten._reshape_alias.default)
+@register(aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten._reshape_alias.default,
+          multi_axis=True)
 @keeps_pending
 def view_rule(call: OpCall) -> Decision:
     spec = call.specs[0]
     out_shape = _infer_size(arg(call, "size"), math.prod(spec.shape))
-    need, out = reshape_axes(spec.shape, spec.axes, out_shape, call.mesh)
+    need, out = reshape_axes(spec.shape, spec.axes, out_shape, call.shards)
     local = (call.num_local,) + call.local_shape(out_shape, out)
     return Decision((need,), (out,), lambda l, a, k: l[0].reshape(local))
 
 
-@register(aten.expand.default)
+@register(aten.expand.default, multi_axis=True)
 def expand_rule(call: OpCall) -> Decision:
     spec = call.specs[0]
     size = list(arg(call, "size"))
@@ -122,7 +137,7 @@ def broadcast_tensors_rule(call: OpCall) -> Decision:
                     lambda l, a, k: [kernel([x], a, k) for kernel, x in zip(kernels, l)], single=False)
 
 
-@register(aten.permute.default)
+@register(aten.permute.default, multi_axis=True)
 @keeps_pending
 def permute_rule(call: OpCall) -> Decision:
     spec = call.specs[0]
@@ -131,7 +146,7 @@ def permute_rule(call: OpCall) -> Decision:
     return Decision((spec.axes,), (tuple(spec.axes[d] for d in dims),), lambda l, a, k: l[0].permute(local))
 
 
-@register(aten.transpose.int, aten.t.default)
+@register(aten.transpose.int, aten.t.default, multi_axis=True)
 @keeps_pending
 def transpose_rule(call: OpCall) -> Decision:
     spec = call.specs[0]
@@ -144,7 +159,7 @@ def transpose_rule(call: OpCall) -> Decision:
     return Decision((spec.axes,), (tuple(axes),), lambda l, a, k: l[0].transpose(d0 + 1, d1 + 1))
 
 
-@register(aten.unsqueeze.default)
+@register(aten.unsqueeze.default, multi_axis=True)
 @keeps_pending
 def unsqueeze_rule(call: OpCall) -> Decision:
     spec = call.specs[0]
@@ -153,7 +168,7 @@ def unsqueeze_rule(call: OpCall) -> Decision:
     return Decision((spec.axes,), (out,), lambda l, a, k: l[0].unsqueeze(dim + 1))
 
 
-@register(aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims)
+@register(aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims, multi_axis=True)
 @keeps_pending
 def squeeze_rule(call: OpCall) -> Decision:
     spec = call.specs[0]
@@ -167,7 +182,7 @@ def squeeze_rule(call: OpCall) -> Decision:
     return Decision((spec.axes,), (out,), lambda l, a, k: l[0].squeeze(local) if local else l[0])
 
 
-@register(aten.slice.Tensor)
+@register(aten.slice.Tensor, multi_axis=True)
 def slice_rule(call: OpCall) -> Decision:
     spec = call.specs[0]
     dim = norm_dim(arg(call, "dim", 0), spec.rank)
@@ -178,7 +193,7 @@ def slice_rule(call: OpCall) -> Decision:
     return Decision((axes,), (axes,), lambda l, a, k: aten.slice.Tensor(l[0], dim + 1, start, end, step))
 
 
-@register(aten.select.int)
+@register(aten.select.int, multi_axis=True)
 def select_rule(call: OpCall) -> Decision:
     spec = call.specs[0]
     dim, index = norm_dim(arg(call, "dim"), spec.rank), arg(call, "index")
@@ -193,13 +208,14 @@ def _merged(specs, skip: int | None = None) -> tuple:
     for s in specs:
         for i, m in enumerate(s.axes):
             if i != skip and m is not None:
-                owners.setdefault(m, set()).add(i)
+                for d in axis_dims(m):
+                    owners.setdefault(d, set()).add(i)
                 if out[i] is None:
                     out[i] = m
-    return tuple(None if m is not None and len(owners[m]) > 1 else m for m in out)
+    return tuple(None if m is not None and any(len(owners[d]) > 1 for d in axis_dims(m)) else m for m in out)
 
 
-@register(aten.cat.default)
+@register(aten.cat.default, multi_axis=True)
 def cat_rule(call: OpCall) -> Decision:
     """torch skips legacy empty operands (shape [0], e.g. an empty KV cache), whatever the others' rank: so does
     the kernel (their stacked components are 2-D), and they keep their layout."""
@@ -213,7 +229,7 @@ def cat_rule(call: OpCall) -> Decision:
     return Decision(inputs, (out,), lambda l, a, k: torch.cat([l[i] for i in kept], dim + 1))
 
 
-@register(aten.stack.default)
+@register(aten.stack.default, multi_axis=True)
 def stack_rule(call: OpCall) -> Decision:
     """Operands of one shape, sharded alike, stack piecewise; the new axis is unsharded. Plain 0-d operands
     among 0-d ones (the zeros a derivative formula makes: unbind's gradient) are one element on every device."""
@@ -232,7 +248,7 @@ def stack_rule(call: OpCall) -> Decision:
 
 
 @register(aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int, aten.unsafe_split.Tensor,
-          aten.unsafe_split_with_sizes.default)
+          aten.unsafe_split_with_sizes.default, multi_axis=True)
 def split_rule(call: OpCall) -> Decision:
     """(`unsafe_split` shares memory as `split` does: torch only leaves its outputs untracked as views.)"""
     spec = call.specs[0]
@@ -250,7 +266,7 @@ def split_rule(call: OpCall) -> Decision:
     return Decision((axes,), (out,) * n, lambda l, a, k: tuple(kernel(l, a, k)), single=False)
 
 
-@register(aten.slice_backward.default)
+@register(aten.slice_backward.default, multi_axis=True)
 def slice_backward_rule(call: OpCall) -> Decision:
     """Zeros with the slice's gradient placed in: the sliced axis is whole on each device (unless the slice was
     the whole axis), other axes keep the gradient's sharding."""
@@ -266,7 +282,7 @@ def slice_backward_rule(call: OpCall) -> Decision:
                                                                                      end, step))
 
 
-@register(aten.select_backward.default)
+@register(aten.select_backward.default, multi_axis=True)
 def select_backward_rule(call: OpCall) -> Decision:
     """Zeros with the selected slice's gradient placed in: the new axis is unsharded, others keep their sharding."""
     grad = call.specs[0]
@@ -402,7 +418,7 @@ def new_factory_rule(call: OpCall) -> Decision:
 
 
 @register(aten.squeeze_.default, aten.squeeze_.dim, aten.squeeze_.dims, aten.unsqueeze_.default,
-          aten.transpose_.default, aten.t_.default)
+          aten.transpose_.default, aten.t_.default, multi_axis=True)
 def inplace_view_rule(call: OpCall) -> Decision:
     """`squeeze_` and friends (torch.matmul of a 1-D operand uses them): the out-of-place op's decision; the
     dispatcher then rebinds the DTensor to its result (an in-place view op returns self)."""
