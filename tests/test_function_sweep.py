@@ -19,11 +19,13 @@ from sweep import MESH, Const, _flat, _run_dist, all_layouts
 from test_ops_sweep import CASES
 
 
-def _drawn_layouts(name: str, inputs) -> tuple:
-    """One layout per distributed input, drawn with the case's name as the seed (the same draw at every run)."""
+def _drawn_layouts(name: str, inputs, mesh=MESH, multi: bool = False) -> tuple:
+    """One layout per distributed input, drawn with the case's name as the seed (the same draw at every run); with
+    `multi`, one with an axis sharded over several mesh dims wherever the input's shape allows one."""
     rng = random.Random(name)
     tensors = [x.value if isinstance(x, Const) else x for x in inputs if isinstance(x, (torch.Tensor, Const))]
-    return tuple(rng.choice(all_layouts(MESH, t.shape)) for t in tensors)
+    options = [all_layouts(mesh, t.shape, multi=multi) for t in tensors]
+    return tuple(rng.choice([l for l in o if l.multi_axis] or o if multi else o) for o in options)
 
 
 def _run(fn, inputs, layouts):
@@ -48,13 +50,32 @@ def _assert_same(got, want, what: str) -> None:
                                    msg=lambda m: f"{what}, device {device}: {m}")
 
 
+def _case(name: str):
+    case = CASES[name]
+    return case.values[0] if hasattr(case, "values") else case
+
+
 @pytest.mark.parametrize("name", [pytest.param(k, marks=v.marks) if hasattr(v, "marks") else k
                                   for k, v in CASES.items()])
 def test_compiled_equals_eager(name, monkeypatch):
-    case = CASES[name]
-    fn, inputs, *given = case.values[0] if hasattr(case, "values") else case
+    fn, inputs, *given = _case(name)
     layouts = tuple(random.Random(name).choice(options) for options in given[0]) if given else \
         _drawn_layouts(name, inputs)
+    _check_compiled_equals_eager(fn, inputs, layouts, monkeypatch)
+
+
+MESH_2x2x2 = spmd.create_mesh([("a", 2), ("b", 2), ("c", 2)])
+
+
+@pytest.mark.parametrize("name", [pytest.param(k, marks=v.marks) if hasattr(v, "marks") else k
+                                  for k, v in CASES.items() if len(_case(k)) == 2])  # (cases without set layouts)
+def test_compiled_equals_eager_multi_axis(name, monkeypatch):
+    """The same with axes sharded over several mesh dims (`"a+b"`), on a 2×2×2 mesh."""
+    fn, inputs = _case(name)
+    _check_compiled_equals_eager(fn, inputs, _drawn_layouts(name, inputs, MESH_2x2x2, multi=True), monkeypatch)
+
+
+def _check_compiled_equals_eager(fn, inputs, layouts, monkeypatch) -> None:
     monkeypatch.setattr(dispatch, "_CACHE", {})
     compiled_outs, compiled_grads = _run(spmd.function(fn, backend="aot_eager", fullgraph=False), inputs, layouts)
     eager_outs, eager_grads = _run(fn, inputs, layouts)
