@@ -25,7 +25,7 @@ def _drawn_layouts(name: str, inputs, mesh=MESH, multi: bool = False) -> tuple:
     rng = random.Random(name)
     tensors = [x.value if isinstance(x, Const) else x for x in inputs if isinstance(x, (torch.Tensor, Const))]
     options = [all_layouts(mesh, t.shape, multi=multi) for t in tensors]
-    return tuple(rng.choice([l for l in o if l.multi_axis] or o if multi else o) for o in options)
+    return tuple(rng.choice([l for l in o if multi and l.multi_axis] or o) for o in options)
 
 
 def _run(fn, inputs, layouts):
