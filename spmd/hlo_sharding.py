@@ -228,7 +228,7 @@ def from_mesh_axes(mesh: Mesh, axes: Sequence, device_ids=None) -> HloSharding:
     """
     ids = _device_ids(_checked_mesh(mesh), device_ids)
     axes = _checked_axes(mesh, axes)
-    tiles = tuple(math.prod(mesh.dim_size(d) for d in axis_dims(a)) for a in axes)
+    tiles = tuple(mesh.shard_count(a) for a in axes)
     if math.prod(tiles) == 1:
         return HloSharding(OpShardingType.REPLICATED)
     sharded = [mesh.axis_index(d) for a in axes for d in axis_dims(a)]  # tile order: row-major over these

@@ -343,12 +343,7 @@ class Layout:
 
 
 def _shards(axis, mesh: Mesh) -> int:
-    if axis == MATCH:
-        return 2 ** 64 - 1
-    n = 1
-    for d in axis_dims(axis):  # (a loop, not math.prod: Dynamo traces a Layout made inside spmd.function)
-        n *= mesh.dim_size(d)
-    return n
+    return 2 ** 64 - 1 if axis == MATCH else mesh.shard_count(axis)
 
 
 def _is_spec(spec) -> bool:

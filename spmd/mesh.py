@@ -180,6 +180,13 @@ class Mesh:
     def dim_size(self, dim_name: str) -> int:
         return self[dim_name].size
 
+    def shard_count(self, axis) -> int:
+        """How many blocks a tensor axis sharded over `axis` (None, a mesh dim name, or a tuple of several) has."""
+        n = 1
+        for d in axis_dims(axis):  # (a loop, not math.prod: Dynamo traces a Layout made inside spmd.function)
+            n *= self.dim_size(d)
+        return n
+
     def __getitem__(self, dim_name: str) -> MeshDimension:
         if dim_name not in self._dim_index:
             raise LayoutError(f"Dimension {dim_name} does not exist in mesh.Available dimensions: "

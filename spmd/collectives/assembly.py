@@ -32,7 +32,7 @@ from spmd.layout import axis_dims
 
 # -- shards ----------------------------------------------------------------------------------------------------------
 def _counts(mesh, axes) -> tuple[int, ...]:
-    return tuple(math.prod(mesh.dim_size(d) for d in axis_dims(a)) for a in axes)
+    return tuple(mesh.shard_count(a) for a in axes)
 
 
 def _shard_of(mesh, axes, position: int) -> tuple[int, ...]:

@@ -11,7 +11,6 @@ copy expanded over the stack axis (stride 0): replicated values are held, and up
 
 from __future__ import annotations
 
-import math
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
@@ -144,5 +143,5 @@ class InProcessCollectives(Collectives):
         for a, dims in enumerate(sharding):  # each sharded tensor axis becomes (shard indices, major first; block)
             order.extend(kept.index(m) for m in dims)
             order.append(len(kept) + a)
-            shape.append(x.shape[a + 1] * math.prod(mesh.dim_size(m) for m in dims))
+            shape.append(x.shape[a + 1] * mesh.shard_count(dims))
         return grid.permute(order).reshape(shape)

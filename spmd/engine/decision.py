@@ -8,7 +8,6 @@ as run.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
 
@@ -16,7 +15,6 @@ import torch
 
 from spmd.collectives import Collective
 from spmd.errors import UnsupportedOpError
-from spmd.mesh import axis_dims
 
 Axes = tuple  # per tensor axis: a mesh dim name or None (a tuple of several only for rules registered multi_axis)
 
@@ -59,7 +57,7 @@ class OpCall:
 
     def shards(self, mesh_dim) -> int:
         """How many blocks an axis sharded over `mesh_dim` has (None: 1; a tuple of mesh dims: their product)."""
-        return math.prod(self.mesh.dim_size(d) for d in axis_dims(mesh_dim))
+        return self.mesh.shard_count(mesh_dim)
 
     def describe(self) -> str:
         parts = [f"{list(a.shape)}:{[m or 'unsharded' for m in a.axes]}" if isinstance(a, TensorSpec) else repr(a)
@@ -104,6 +102,12 @@ class Decision:
     keeps: tuple[int, ...] = ()
     copies: bool = False  # a view op whose result does not share the input's memory: in-place ops on it are refused
     writes: tuple[int, ...] = ()  # inputs the kernel writes beside an in-place target (a batch norm's running stats)
+
+
+def is_inplace(func) -> bool:
+    """Whether `func` writes its first argument (`add_`, `copy_`, `masked_fill_`), as its schema says."""
+    args = func._schema.arguments
+    return bool(args) and args[0].alias_info is not None and args[0].alias_info.is_write
 
 
 def unsupported(call: OpCall, why: str = "") -> UnsupportedOpError:

@@ -25,7 +25,7 @@ from spmd.collectives.local import one_copy, share, shared
 from spmd.dtensor import DTensor
 from spmd.engine import foreach, multi_axis, planner, registry
 from spmd.engine import rules  # noqa: F401  (registers every rule)
-from spmd.engine.decision import Decision, OpCall, TensorSpec, unsupported
+from spmd.engine.decision import Decision, OpCall, TensorSpec, is_inplace, unsupported
 from spmd.engine.rules.common import generic_kernel, replace_tensors
 from spmd.engine.validate import check_like_torch
 from spmd.errors import MeshMismatchError, MixedTensorError, UnsupportedOpError
@@ -216,10 +216,7 @@ def _replicates_plain() -> bool:
 
 def _writes_plain(func, args) -> bool:
     """Whether `func` writes a plain first argument (a replicated copy of it would take the write instead)."""
-    if not args or isinstance(args[0], DTensor):
-        return False
-    alias = func._schema.arguments[0].alias_info
-    return alias is not None and alias.is_write
+    return bool(args) and not isinstance(args[0], DTensor) and is_inplace(func)
 
 
 def _replicated_plain(args, kwargs):

@@ -14,10 +14,9 @@ axes (it aligns the operands to the target's axes, as given), and the others are
 from __future__ import annotations
 
 import dataclasses
-import math
 
 from spmd.dtensor import DTensor
-from spmd.engine.decision import Decision
+from spmd.engine.decision import Decision, is_inplace
 from spmd.layout import axis_dims
 
 
@@ -28,10 +27,8 @@ def sees_whole(entry, func, args) -> bool:
         return False
     if entry.multi_axis:
         return True
-    if not entry.blockwise or not args or not isinstance(args[0], DTensor) or not args[0]._layout.multi_axis:
-        return False
-    written = func._schema.arguments[0].alias_info
-    return written is not None and written.is_write
+    return entry.blockwise and bool(args) and isinstance(args[0], DTensor) and args[0]._layout.multi_axis and \
+        is_inplace(func)
 
 
 def adapt(decision: Decision, entry, tensors, native: bool) -> Decision:
@@ -59,8 +56,7 @@ def adapt(decision: Decision, entry, tensors, native: bool) -> Decision:
 
     renamed = tuple(rename(a) for a in inputs)
     mesh = tensors[0]._layout.mesh
-    if any(size % math.prod(mesh.dim_size(d) for d in axis_dims(m))
-           for t, axes in zip(tensors, renamed) for size, m in zip(t.shape, axes)):
+    if any(size % mesh.shard_count(m) for t, axes in zip(tensors, renamed) for size, m in zip(t.shape, axes)):
         return decision  # an axis the finer blocks do not divide (`a @ w`, `w` of 2 columns where `a` has 4 blocks)
     if decision.inplace and renamed[0] != tensors[0]._layout.axes:
         return decision  # the target keeps its layout: the others are relayouted to what the rule asked

@@ -98,7 +98,7 @@ def search(mesh, src: tuple, dst: tuple, pending: tuple = (), op: str = "sum") -
     goal = (tuple(real(a) for a in dst), ())
     # the plan does not know the tensor's shape, only that src's and dst's shard counts divide each axis: every
     # layout on the way splits an axis into a divisor of one of them
-    ends = [(_count(mesh, s), _count(mesh, d)) for s, d in zip(start[0], goal[0])]
+    ends = [(mesh.shard_count(s), mesh.shard_count(d)) for s, d in zip(start[0], goal[0])]
     frontier = [((0, 0.0, 0), 0, start, ())]
     done = set()
     tie = itertools.count(1)
@@ -111,7 +111,7 @@ def search(mesh, src: tuple, dst: tuple, pending: tuple = (), op: str = "sum") -
         done.add(state)
         for step, nxt, (n, moved) in _moves(mesh, *state, goal[0], op):
             if nxt not in done and all(a % c == 0 or b % c == 0
-                                       for (a, b), c in zip(ends, (_count(mesh, dims) for dims in nxt[0]))):
+                                       for (a, b), c in zip(ends, (mesh.shard_count(dims) for dims in nxt[0]))):
                 heapq.heappush(frontier, ((cost[0] + n, cost[1] + moved, cost[2] + 1), next(tie), nxt,
                                           steps + (step,)))
     raise AssertionError(f"no relayout from {src} to {dst}")  # unreachable: gathering all, then sharding, works
@@ -122,11 +122,11 @@ def _moves(mesh, axes: tuple, pending: tuple, goal: tuple, op: str):
     Dims are added only where `goal` wants them; every step is valid on an unreduced sum, since it moves whole
     blocks between devices that agree on the pending dims."""
     size = mesh.dim_size
-    block = 1.0 / math.prod(_count(mesh, dims) for dims in axes)  # a device's share of the global tensor
+    block = 1.0 / math.prod(mesh.shard_count(dims) for dims in axes)  # a device's share of the global tensor
     wanted = {d: b for b, dims in enumerate(goal) for d in dims}
     summed = tuple(m for m in pending if m not in wanted)  # the dims no reduce-scatter can take: one all-reduce
     if len(summed) > 1:
-        k = _count(mesh, summed)
+        k = mesh.shard_count(summed)
         rest = tuple(m for m in pending if m in wanted)
         yield Collective(Kind.ALL_REDUCE, summed, op=op), (axes, rest), (1, 2 * (k - 1) / k * block)
     for m in pending:
@@ -154,10 +154,6 @@ def _moves(mesh, axes: tuple, pending: tuple, goal: tuple, op: str):
             if order != dims:
                 yield (Collective(Kind.PERMUTE, order, a, from_dims=dims),
                        (axes[:a] + (order,) + axes[a + 1:], pending), (1, block))
-
-
-def _count(mesh, dims: tuple) -> int:
-    return math.prod(mesh.dim_size(d) for d in dims)
 
 
 def _add(axes: tuple, b: int, m: str) -> tuple:

@@ -13,16 +13,11 @@ import dataclasses
 import torch
 
 from spmd.engine.registry import register, register_family
-from spmd.engine.decision import Decision, OpCall, TensorSpec, unsupported
+from spmd.engine.decision import Decision, OpCall, TensorSpec, is_inplace, unsupported
 from spmd.engine.rules.common import generic_kernel
 from spmd.layout import axis_dims
 
 aten = torch.ops.aten
-
-
-def is_inplace(func) -> bool:
-    args = func._schema.arguments
-    return bool(args) and args[0].alias_info is not None and args[0].alias_info.is_write
 
 
 def broadcast_shape(shapes) -> tuple[int, ...]:
