@@ -413,11 +413,11 @@ def run_gated(names: list[str], cfg: dict, timeouts: dict, run_timeout, logs: st
     for c in children:
         c.wait_ready()
     for c in children:
-        seconds = run_timeout(c.name) if c.ready.is_set() else 0  # (not ready: it failed, or ran out of time)
-        if seconds is None:
-            _kill(c.proc)
-            continue
-        if seconds:
+        if c.ready.is_set():  # (else it failed, or its compilation ran out of time: finish() says which)
+            seconds = run_timeout(c.name)
+            if seconds is None:
+                _kill(c.proc)
+                continue
             c.go(seconds)
         done(c.name, c.finish())
 
