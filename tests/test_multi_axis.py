@@ -320,6 +320,115 @@ def test_linear_forward_backward_and_adamw_step():
     check_replicas(model.weight)
 
 
+# -- rules that keep a multi-axis batch: norms, attention, embeddings, losses, linear layers ---------------------------
+def _labels(n, classes, seed=0):
+    return torch.randint(0, classes, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+_BATCH_OPS = [  # (name, fn, inputs, the layouts of the inputs on MESH3: the batch over ("a", "b"))
+    ("layer_norm", lambda x, w, b: F.layer_norm(x, (4,), w, b), [rand(8, 2, 4), rand(4), rand(4, seed=1)],
+     [["a+b", U, U], [U], [U]]),
+    ("linear", F.linear, [rand(8, 4), rand(6, 4, seed=1), rand(6, seed=2)], [["a+b", U], [U, U], [U]]),
+    ("linear_column_parallel", F.linear, [rand(8, 4), rand(6, 4, seed=1), rand(6, seed=2)],
+     [["a+b", U], ["c", U], ["c"]]),
+    ("log_softmax", lambda x: F.log_softmax(x, -1), [rand(8, 6)], [["b+a", U]]),
+    ("embedding", lambda t, ids: F.embedding(ids, t), [rand(6, 4), _labels(8, 6).view(4, 2)],
+     [[U, U], ["a+b", U]]),
+    ("embedding_vocab_parallel", lambda t, ids: F.embedding(ids, t), [rand(6, 4), _labels(8, 6).view(4, 2)],
+     [["c", U], ["a+b", U]]),
+    ("cross_entropy", lambda x, t: F.cross_entropy(x, t), [rand(8, 6), _labels(8, 6)], [["a+b", U], ["a+b"]]),
+    ("cross_entropy_sum", lambda x, t: F.cross_entropy(x, t, reduction="sum"), [rand(8, 6), _labels(8, 6)],
+     [["b+a", U], ["b+a"]]),
+    ("cross_entropy_vocab_parallel", lambda x, t: F.cross_entropy(x, t), [rand(8, 6), _labels(8, 6)],
+     [["a+b", "c"], ["a+b"]]),
+    ("attention", lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+     [rand(4, 2, 3, 4), rand(4, 2, 3, 4, seed=1), rand(4, 2, 3, 4, seed=2)], [["a+b", "c", U, U]] * 3),
+]
+
+
+def _batch_op_case(inputs, specs):
+    tensors = [spmd.copy_to_mesh(t, Layout(s, MESH3)) for t, s in zip(inputs, specs)]
+    for t in tensors:
+        if t.is_floating_point():
+            t.requires_grad_()
+    return tensors
+
+
+@pytest.mark.parametrize("name, fn, inputs, specs", _BATCH_OPS, ids=[c[0] for c in _BATCH_OPS])
+def test_a_multi_axis_batch_passes_through(name, fn, inputs, specs):
+    """These rules decide on a batch axis as if it were sharded over its outer mesh dim alone, and their decisions
+    hold on the finer blocks (they read no coordinate of it): the batch keeps its ("a", "b") sharding, with no
+    collective in the forward op, and the parameters' gradients are sums pending over both mesh dims (these ops
+    used to gather `b` first)."""
+    with spmd.implicit_replication():
+        assert check_op(fn, inputs, mesh=MESH3, layouts=[[Layout(s, MESH3)] for s in specs]) == 1
+    args = _batch_op_case(inputs, specs)
+    out, kinds = _kinds(lambda: fn(*args))
+    batch_dims = ("a", "b") if "a+b" in specs[0] or "a+b" in specs[-1] else ("b", "a")
+    assert all(dims != ("b",) and kind != "all_gather" for kind, dims in kinds), kinds
+    if out.dim():
+        assert spmd.fetch_layout(out).axes[0] == batch_dims
+    loss, kinds = _kinds(lambda: fn(*args).sum())  # a sum over the batch: over both mesh dims at once
+    assert any(set(batch_dims) <= set(dims) for kind, dims in kinds if kind == "all_reduce") or \
+        set(batch_dims) <= set(loss._pending), (kinds, loss._pending)
+    loss.backward()
+    for t, s in zip(args, specs):
+        if t.grad is not None and U in s[:1]:  # a parameter: its gradient was summed over the whole batch
+            assert spmd.fetch_layout(t.grad) == spmd.fetch_layout(t)
+
+
+def test_a_kernel_built_for_an_outer_dims_blocks_is_not_renamed():
+    """A decision naming a mesh dim `fixed` (a vocabulary shard's first row; a bias viewed by its local shape) holds
+    for that dim's own blocks only: the finer ones are gathered first, and the values stay right."""
+    table, ids = rand(8, 4), _labels(6, 8).view(3, 2)
+    with spmd.implicit_replication():
+        assert check_op(lambda t, i: F.embedding(i, t), [table, ids],
+                        layouts=[[Layout(["x+y", U], MESH)], [Layout([U, U], MESH)]]) == 1
+    dt = spmd.copy_to_mesh(table, Layout(["x+y", U], MESH))
+    out, kinds = _kinds(lambda: F.embedding(spmd.copy_to_mesh(ids, Layout([U, U], MESH)), dt))
+    assert kinds[0] == ("all_gather", ("y",)) and out._pending == ("x",)
+    torch.testing.assert_close(spmd.to_global(out), F.embedding(ids, table))
+    x, w, b = rand(4, 4), rand(8, 4, seed=1), rand(8, seed=2)
+    assert check_op(F.linear, [x, w, b], layouts=[[Layout([U, U], MESH)], [Layout(["x+y", U], MESH)],
+                                                  [Layout(["x+y"], MESH)]]) == 1
+
+
+def test_gpt_training_with_the_batch_over_two_mesh_dims():
+    """The demo GPT trained with its batch sharded over ("x", "y"): losses and parameters equal plain torch's, and
+    the only collectives are the all-reduces of the gradients and the loss over both mesh dims."""
+    from spmd.demo.model import GPT, GPTConfig
+    cfg = GPTConfig(n_layer=1, d_model=16, block_size=4, n_head=2)
+    torch.manual_seed(0)
+    plain = GPT(cfg).double()
+    model = GPT(cfg).double()
+    model.load_state_dict(plain.state_dict())
+    spmd.distribute_module(model, MESH, spmd.LayoutMap({}))
+    opts = [torch.optim.AdamW(m.parameters(), lr=0.01) for m in (plain, model)]
+    g = torch.Generator().manual_seed(1)
+    ids, targets = (torch.randint(0, cfg.vocab_size, (8, cfg.block_size), generator=g) for _ in range(2))
+    positions = torch.arange(cfg.block_size)
+    batch = Layout(["x+y", U], MESH)
+    args = [spmd.copy_to_mesh(t, batch) for t in (ids, targets)]
+    dpos = spmd.copy_to_mesh(positions, Layout([U], MESH))
+    for _ in range(2):
+        want = plain(ids, positions, targets)
+        want.backward()
+
+        def step():
+            loss = model(args[0], dpos, args[1])
+            loss.backward()
+            return loss
+        loss, kinds = _kinds(step)
+        assert set(kinds) == {("all_reduce", ("x", "y"))}, kinds
+        torch.testing.assert_close(spmd.to_global(loss), want)
+        for o in opts:
+            o.step()
+            o.zero_grad()
+    for (name, p), q in zip(plain.named_parameters(), model.parameters()):
+        torch.testing.assert_close(spmd.to_global(q), p, msg=name)
+        check_replicas(q)
+
+
 # -- modules that read layouts -----------------------------------------------------------------------------------------
 def test_checkpoint_between_multi_axis_and_other_layouts(tmp_path):
     x = rand(8, 8)

@@ -87,7 +87,9 @@ class Decision:
     returns it. `rebinds`: an in-place view op (`squeeze_`): input 0 takes the output's components and layout.
     `keeps`: the inputs whose pending sum stays unresolved, because the kernel is linear in them (`a + b` of two
     sums over the same dims is their sum's sum; `reduce` then leaves the output pending) or does not read values
-    (`ones_like`).
+    (`ones_like`). `fixed`: the mesh dims whose coordinates or block sizes the kernel was built for (a vocabulary
+    shard's first row, a broadcast operand's local shape): a blockwise rule's decision is run on finer blocks of
+    the other mesh dims only (see engine/multi_axis.py).
     """
     inputs: tuple
     outputs: tuple
@@ -102,6 +104,7 @@ class Decision:
     keeps: tuple[int, ...] = ()
     copies: bool = False  # a view op whose result does not share the input's memory: in-place ops on it are refused
     writes: tuple[int, ...] = ()  # inputs the kernel writes beside an in-place target (a batch norm's running stats)
+    fixed: tuple[str, ...] = ()
 
 
 def is_inplace(func) -> bool:

@@ -5,10 +5,11 @@ overloads); an op has at most one rule. A family of ops found by a property rath
 by `torch.Tag.pointwise`) is registered with `register_family`. `floats_at_run_time=True` says the rule's
 kernels read float arguments when they run, so the dispatcher's cache ignores their values (Adam's step size
 changes every step without a cache miss); every other rule may decide on them (dropout's p, a norm's order).
-`blockwise=True` says the rule's kernels act on each element (or each block) alone and read no mesh coordinate,
-so a decision it makes with an axis sharded over one mesh dim holds as well with that axis sharded over several:
-the dispatcher then runs it on multi-axis layouts as they are (see `engine/multi_axis.py`). `multi_axis=True`
-says the rule reads `TensorSpec.axes` entries that are tuples of mesh dims itself (random ops: a global index).
+`blockwise=True` says the rule's kernels act on each element (or each block) alone and read no mesh coordinate
+(but those of the dims a decision names `fixed`), so a decision it makes with an axis sharded over one mesh dim
+holds as well with that axis sharded over several: the dispatcher then runs it on multi-axis layouts as they are
+(see `engine/multi_axis.py`). `multi_axis=True` says the rule reads `TensorSpec.axes` entries that are tuples of
+mesh dims itself (random ops: a global index).
 """
 
 from __future__ import annotations

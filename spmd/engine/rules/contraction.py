@@ -178,7 +178,7 @@ def _once(out: torch.Tensor) -> torch.Tensor:
     return one_copy(out) if shared(out) else out
 
 
-@register(*_PRODUCTS)
+@register(*_PRODUCTS, blockwise=True)
 def addmm_rule(call: OpCall) -> Decision:
     """out = beta * bias + alpha * product(a, b). With a pending sum the bias is added once, after the reduction;
     where the product is one over all devices' rows and every device holds the whole bias, it is torch's addmm."""
@@ -195,6 +195,7 @@ def addmm_rule(call: OpCall) -> Decision:
     bias_axes = tuple(None if (bias.shape[j] == 1 and out_shape[j + r - bias.rank] != 1)
                       else out_axes[j + r - bias.rank] for j in range(bias.rank))
     bias_view = (call.num_local,) + (1,) * (r - bias.rank) + call.local_shape(bias, bias_axes)
+    fixed = tuple(m for m in bias_axes if m is not None)  # (the bias view's shape is of their blocks)
 
     def product(locals_, args, kwargs):
         out = local_product(locals_[1], locals_[2])
@@ -212,7 +213,8 @@ def addmm_rule(call: OpCall) -> Decision:
 
     if reduced:
         return Decision((bias_axes, *required), (out_axes,), product, reduce=(reduced,), reduce_op=reduce_op,
-                        epilogue=lambda outs, locals_, args, kwargs: [add_bias(outs[0], locals_, kwargs)])
+                        epilogue=lambda outs, locals_, args, kwargs: [add_bias(outs[0], locals_, kwargs)],
+                        fixed=fixed)
     # a bias every device holds whole (no row axis to fold): where the product is one over all devices' rows, it is
     # plain torch's addmm
     one_bias = call.func is aten.addmm.default and all(axes is None for axes in bias_axes) \
@@ -222,7 +224,7 @@ def addmm_rule(call: OpCall) -> Decision:
         if one_bias and _one_weight(*locals_[1:]):
             return _addmm_once(*locals_, kwargs.get("beta", 1), kwargs.get("alpha", 1))
         return add_bias(product(locals_, args, kwargs), locals_, kwargs)
-    return Decision((bias_axes, *required), (out_axes,), kernel)
+    return Decision((bias_axes, *required), (out_axes,), kernel, fixed=fixed)
 
 
 def _one_weight(a: torch.Tensor, b: torch.Tensor) -> bool:

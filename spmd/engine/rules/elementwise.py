@@ -17,7 +17,8 @@ import torch
 from spmd.engine.registry import register
 from spmd.engine.decision import Decision, OpCall, TensorSpec
 from spmd.engine.rules.common import generic_kernel
-from spmd.engine.rules.pointwise import aligned_inputs, broadcast_shape, is_inplace, merge_axes, pointwise_rule
+from spmd.engine.rules.pointwise import (aligned_inputs, broadcast_shape, is_inplace, merge_axes, pointwise_rule,
+                                        viewed_dims)
 from spmd.engine.rules.reduction import arg, arg_index
 
 aten = torch.ops.aten
@@ -38,7 +39,7 @@ def log_sigmoid_rule(call: OpCall) -> Decision:
         def backward(l, a, k):
             g, xl = (t if v is None else t.view(v) for t, v in zip(l, views))
             return call.func(g, xl, l[2][0])
-        return Decision(inputs + ((None,),), (axes,), backward)
+        return Decision(inputs + ((None,),), (axes,), backward, fixed=viewed_dims(inputs, views))
     axes = call.specs[0].axes
     if call.mesh.torch_device.type != "cuda":
         return Decision((axes,), (axes, axes), generic_kernel(call.func), single=False)
@@ -90,7 +91,7 @@ def zero_d_value_rule(call: OpCall) -> Decision:
 
     def kernel(l, a, k):
         return call.func(*(t if v is None else t.view(v) for t, v in zip(l[:-1], views)), l[-1][0])
-    return Decision(inputs + ((),), (axes,), kernel, inplace=is_inplace(call.func))
+    return Decision(inputs + ((),), (axes,), kernel, inplace=is_inplace(call.func), fixed=viewed_dims(inputs, views))
 
 
 @register(aten.linalg_cross.default)

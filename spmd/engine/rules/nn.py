@@ -25,7 +25,7 @@ def _batch_dims(axes) -> tuple:
     return tuple(m for m in axes if m is not None)
 
 
-@register(aten.native_layer_norm.default)
+@register(aten.native_layer_norm.default, blockwise=True)
 def layer_norm_rule(call: OpCall) -> Decision:
     """Normalised axes must be whole on each device; weight and bias are replicated; other axes keep sharding."""
     x = call.specs[0]
@@ -41,7 +41,7 @@ def layer_norm_rule(call: OpCall) -> Decision:
     return Decision((axes,) + replicated, (axes, stats, stats), kernel, single=False)
 
 
-@register(aten.native_layer_norm_backward.default)
+@register(aten.native_layer_norm_backward.default, blockwise=True)
 def layer_norm_backward_rule(call: OpCall) -> Decision:
     x = call.specs[1]
     normalized, _, _, weight, bias, mask = call.args[2:8]
@@ -74,7 +74,7 @@ def layer_norm_backward_rule(call: OpCall) -> Decision:
     return Decision(tuple(inputs), outputs, kernel, reduce=reduce, single=False)
 
 
-@register(aten.embedding.default)
+@register(aten.embedding.default, blockwise=True)
 def embedding_rule(call: OpCall) -> Decision:
     """A table sharded on the vocabulary axis: each device looks up the rows it holds (others give zeros) and
     one all-reduce sums the pieces. A table sharded on the embedding axis: a local lookup."""
@@ -99,10 +99,11 @@ def embedding_rule(call: OpCall) -> Decision:
         out = torch.nn.functional.embedding(local.clamp(0, rows - 1) + stack_base(ids), flat)
         return out.masked_fill_(outside.unsqueeze(-1), 0)
     reduce = ((vocab_dim,),) if vocab_dim is not None else ()
-    return Decision(((vocab_dim, emb_dim), idx_axes), (idx_axes + (emb_dim,),), kernel, reduce=reduce)
+    return Decision(((vocab_dim, emb_dim), idx_axes), (idx_axes + (emb_dim,),), kernel, reduce=reduce, fixed=reduce[0]
+                    if reduce else ())
 
 
-@register(aten.embedding_dense_backward.default)
+@register(aten.embedding_dense_backward.default, blockwise=True)
 def embedding_backward_rule(call: OpCall) -> Decision:
     """The gradient of the whole table per device (replicated rows), summed over the mesh dims sharding the ids."""
     grad, idx = call.specs
@@ -143,7 +144,7 @@ def _classes_last(x: torch.Tensor) -> torch.Tensor:
     return x.movedim(c, -1).reshape(-1, x.shape[c])
 
 
-@register(aten.nll_loss2d_forward.default)
+@register(aten.nll_loss2d_forward.default, blockwise=True)
 def nll_loss_rule(call: OpCall) -> Decision:
     """Per device: the sum of the picked log-probabilities and of their weights; both all-reduced over the
     mesh dims sharding the batch and spatial axes; the mean is their ratio. The class axis must be whole on
@@ -179,7 +180,7 @@ def nll_loss_rule(call: OpCall) -> Decision:
                     single=False)
 
 
-@register(aten.nll_loss2d_backward.default)
+@register(aten.nll_loss2d_backward.default, blockwise=True)
 def nll_loss_backward_rule(call: OpCall) -> Decision:
     x, target = call.specs[1], call.specs[2]
     weight, reduction, ignore_index = call.args[3:6]
@@ -227,7 +228,7 @@ def _batch_and_heads(specs) -> tuple:
     return tuple(batch)
 
 
-@register(*_FUSED_ATTENTION)
+@register(*_FUSED_ATTENTION, blockwise=True)
 def attention_rule(call: OpCall) -> Decision:
     """Attention (B, H, L|S, E) and its backward: each (batch, head) is independent, so those axes keep their
     sharding (merged over the operands, first wins); sequence and embedding axes are whole on each device. A mask
@@ -267,6 +268,7 @@ def attention_rule(call: OpCall) -> Decision:
         lse = batch + (None,) * (lse_rank - 2) if arg(call, "compute_log_sumexp", True) else None
         outputs = (batch + (None, None), lse) + (None,) * (len(call.func._schema.returns) - 2)
     kinds = ["head" if n in _PER_HEAD else "mask" if n in _MASKS else "one" for n, _ in named]
+    masked = "mask" in kinds  # (its views are shaped by the batch axes' blocks)
 
     def local(x, kind):
         if kind == "head":  # (stack * B, H, ...): the kernels want 4-D operands
@@ -278,7 +280,8 @@ def attention_rule(call: OpCall) -> Decision:
         args, kwargs = replace_tensors(a, k, [local(x, kind) for x, kind in zip(l, kinds)])
         outs = call.func(*args, **kwargs)
         return tuple(o if axes is None else o.unflatten(0, (stack, b)) for o, axes in zip(outs, outputs))
-    return Decision(tuple(required), outputs, kernel, single=False)
+    return Decision(tuple(required), outputs, kernel, single=False,
+                    fixed=tuple(m for m in batch if m is not None) if masked else ())
 
 
 # -- batch norm ------------------------------------------------------------------------------------------------------

@@ -60,6 +60,12 @@ def aligned_inputs(call: OpCall, specs: list[TensorSpec], out_axes: tuple, out_s
     return tuple(inputs), tuple(views)
 
 
+def viewed_dims(inputs: tuple, views: tuple) -> tuple:
+    """The mesh dims sharding the operands that `aligned_inputs` views by their local shapes: a decision's
+    `fixed` dims."""
+    return tuple(dict.fromkeys(m for axes, v in zip(inputs, views) if v is not None for m in axes if m is not None))
+
+
 # elementwise ops whose native_functions.yaml entries lack torch's `pointwise` tag (torch tags the ops it wrote
 # as TensorIterator kernels with a generated lowering; these have hand-written kernels or are rarely fused):
 # taken as tagged, so their in-place overloads and their gradients join the family too (torch 2.13 tags leaky_relu,
@@ -103,11 +109,13 @@ def pointwise_rule(call: OpCall) -> Decision:
         raise unsupported(call, "in-place op whose result would broadcast self")
     inputs, views = aligned_inputs(call, specs, out_axes, out_shape)
     kernel = generic_kernel(call.func, views=views if any(v is not None for v in views) else None)
+    fixed = viewed_dims(inputs, views)
     n_out = len(call.func._schema.returns)  # frexp: mantissa and exponent
     if n_out > 1:
-        return Decision(inputs, (out_axes,) * n_out, kernel, single=False)
+        return Decision(inputs, (out_axes,) * n_out, kernel, single=False, fixed=fixed)
     keeps, dims = _linear_in_pending(call, specs, out_axes)
-    return Decision(inputs, (out_axes,), kernel, inplace=inplace, keeps=keeps, reduce=(dims,) if keeps else ())
+    return Decision(inputs, (out_axes,), kernel, inplace=inplace, keeps=keeps, reduce=(dims,) if keeps else (),
+                    fixed=fixed)
 
 
 # functional ops linear in their pending-sum operands (f(sum of p) = sum of f(p)), by which operands: "both"
@@ -189,4 +197,5 @@ def to_copy_rule(call: OpCall) -> Decision:
 def copy_rule(call: OpCall) -> Decision:
     dst, src = call.specs
     inputs, views = aligned_inputs(call, [dst, src], dst.axes, dst.shape)
-    return Decision(inputs, (dst.axes,), generic_kernel(call.func, views=views), inplace=True)
+    return Decision(inputs, (dst.axes,), generic_kernel(call.func, views=views), inplace=True,
+                    fixed=viewed_dims(inputs, views))

@@ -27,7 +27,7 @@ def _class_dim(call: OpCall, dim) -> tuple[int, str | None]:
     return d, (spec.axes[d] if spec.rank else None)
 
 
-@register(aten._log_softmax.default, aten._softmax.default)
+@register(aten._log_softmax.default, aten._softmax.default, blockwise=True)
 def softmax_rule(call: OpCall) -> Decision:
     d, m = _class_dim(call, call.args[1])
     if m is None:
@@ -42,7 +42,7 @@ def softmax_rule(call: OpCall) -> Decision:
     return Decision((axes,), (axes,), kernel, collectives=(_all_reduce(m, "max"), _all_reduce(m, "sum")))
 
 
-@register(aten._log_softmax_backward_data.default, aten._softmax_backward_data.default)
+@register(aten._log_softmax_backward_data.default, aten._softmax_backward_data.default, blockwise=True)
 def softmax_backward(call: OpCall) -> Decision:
     d, m = _class_dim(call, call.args[2])
     if m is None:
@@ -64,7 +64,7 @@ def _nll_layout(call: OpCall):
     return m, batch, (batch, m) if x.rank == 2 else (m,), (batch,) if x.rank == 2 else ()
 
 
-@register(aten.nll_loss_forward.default)
+@register(aten.nll_loss_forward.default, blockwise=True)
 def nll_rule(call: OpCall) -> Decision:
     x = call.specs[0]
     m, batch, x_axes, t_axes = _nll_layout(call)
@@ -93,11 +93,11 @@ def nll_rule(call: OpCall) -> Decision:
     reduced = (batch,) if batch is not None and reduction != _NONE else ()
     inputs = (x_axes, t_axes) + (((None,),) if weight is not None else ())
     return Decision(inputs, (t_axes if reduction == _NONE else (), ()), kernel, collectives=(_all_reduce(m, "sum"),),
-                    reduce=(reduced, reduced) if reduced else (), single=False,
+                    reduce=(reduced, reduced) if reduced else (), single=False, fixed=(m,),
                     epilogue=(lambda outs, l, a, k: [outs[0] / outs[1], outs[1]]) if reduction == _MEAN else None)
 
 
-@register(aten.nll_loss_backward.default)
+@register(aten.nll_loss_backward.default, blockwise=True)
 def nll_backward_rule(call: OpCall) -> Decision:
     x = call.specs[1]
     call_x = OpCall(call.func, call.args[1:], call.kwargs, call.mesh, call.num_local)
@@ -128,7 +128,7 @@ def nll_backward_rule(call: OpCall) -> Decision:
         out.scatter_(2, local_t.clamp(0, block - 1).unsqueeze(-1), (scale * inside).unsqueeze(-1).to(xl.dtype))
         return out.view(xl.shape)
     inputs = (g_axes, x_axes, t_axes) + (((None,),) if weight is not None else ()) + ((),)
-    return Decision(inputs, (x_axes,), kernel)
+    return Decision(inputs, (x_axes,), kernel, fixed=(m,))
 
 
 def _all_reduce(mesh_dim: str, op: str) -> Collective:
