@@ -250,6 +250,18 @@ def test_pointwise_and_sums_run_on_the_blocks_as_they_are():
     torch.testing.assert_close(spmd.to_global(out), torch.cumsum(a, 1))
 
 
+def test_a_lower_rank_multi_axis_operand_broadcasts_on_its_blocks():
+    """`h + b`, `b` of lower rank: the kernel right-aligns `b`'s components by their own shape, so the decision
+    holds on the finer blocks (it used to gather `y` from both)."""
+    h, b = rand(8, 4), rand(4, seed=1)
+    dh, db = spmd.copy_to_mesh(h, Layout([U, "x+y"], MESH)), spmd.copy_to_mesh(b, Layout(["x+y"], MESH))
+    out, kinds = _kinds(lambda: dh + db)
+    assert kinds == [] and spmd.fetch_layout(out) == Layout([U, "x+y"], MESH)
+    torch.testing.assert_close(spmd.to_global(out), h + b)
+    assert check_op(lambda a, c: a * c, [h, b], layouts=[[Layout([U, "x+y"], MESH), Layout(["x", "y"], MESH)],
+                                                          [Layout(["x+y"], MESH), Layout(["y+x"], MESH)]]) == 4
+
+
 def test_pointwise_of_two_tuples_sharing_a_minor_mesh_dim_gathers_it():
     """("c", "a") on one axis and ("b", "a") on the other: renamed back, the output would shard over `a` twice (an
     AssertionError in the planner); the outer dims' decision stands, `a` gathered from both operands."""

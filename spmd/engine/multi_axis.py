@@ -7,7 +7,7 @@ kernels act per element or block and read no mesh coordinate: pointwise ops, cop
 and softmax over whole axes, attention, embeddings, losses) is exact on the finer blocks too, so its decision is
 renamed back instead: each outer mesh dim becomes the full tuple again, in the layouts, the pending reductions and
 the all-reduces the rule declares — unless the decision names that dim `fixed` (its kernel was built for the
-dim's own blocks: a vocabulary shard's first row, a broadcast operand's local shape). `a + b` of two
+dim's own blocks: a vocabulary shard's first row, a bias viewed by its local shape). `a + b` of two
 `("x", "y")`-sharded tensors runs on the components as they are, a sum over a `("x", "y")`-sharded axis leaves a
 sum pending over both mesh dims, and a batch sharded over `("x", "y")` passes through a whole transformer with
 the gradients' sums pending over both. An in-place blockwise op on a multi-axis target (`y.mul_(w)`,

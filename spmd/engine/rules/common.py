@@ -49,18 +49,33 @@ def _positional_slots(args, kwargs):
     return tuple(i for i, a in enumerate(args) if isinstance(a, DTensor))
 
 
+def broadcast_view(x: torch.Tensor, pad: int | None) -> torch.Tensor:
+    """Stacked components `(L, *local)` viewed as `(L, 1, ..., 1, *local)` with `pad` ones: right-aligned to a
+    higher rank. (Shaped from the components themselves, so that a decision holds on finer blocks too: see
+    engine/multi_axis.py.)"""
+    return x if pad is None else x.view(_padded_shape(x, pad))
+
+
+def _padded_shape(x: torch.Tensor, pad: int) -> tuple:
+    return (x.shape[0],) + (1,) * pad + tuple(x.shape[1:])  # (a tuple: `view` parses a torch.Size more slowly)
+
+
 def generic_kernel(func, arg_overrides: dict | None = None, kwarg_overrides: dict | None = None,
-                   views: tuple | None = None) -> Kernel:
-    """Calls `func` on local components: DTensors replaced in order (optionally `.view`-ed to the shapes in
-    `views` to align ranks), then positional/keyword arguments overridden by static local values."""
+                   pads: tuple | None = None) -> Kernel:
+    """Calls `func` on local components: DTensors replaced in order (optionally right-aligned to a higher rank
+    with `pads`' axes of 1, see `aligned_inputs`), then positional/keyword arguments overridden by static local
+    values."""
     names = [a.name for a in func._schema.arguments]
     op = getattr(func, "_op", func)  # the C++ callable: skips OpOverload.__call__
     overrides = [(i, v) for i, v in (arg_overrides or {}).items()]
     slots = []  # filled on the first call: the argument structure is fixed for one cache key
+    views = []  # so are the components' shapes: `pads` as view shapes, from the first call's components
 
     def kernel(locals_, args, kwargs):
-        if views is not None:
-            locals_ = [x if v is None else x.view(v) for x, v in zip(locals_, views)]
+        if pads is not None:
+            if not views:
+                views.append([None if p is None else _padded_shape(x, p) for x, p in zip(locals_, pads)])
+            locals_ = [x if v is None else x.view(v) for x, v in zip(locals_, views[0])]
         if not slots:
             slots.append(_positional_slots(args, kwargs))
         positions = slots[0]
@@ -82,7 +97,7 @@ def generic_kernel(func, arg_overrides: dict | None = None, kwarg_overrides: dic
 
     def specialize(args, kwargs):
         """A kernel without the general argument rewriting, for the common leading-DTensors call shapes."""
-        if views is not None or overrides or kwarg_overrides:
+        if pads is not None or overrides or kwarg_overrides:
             return kernel
         positions = _positional_slots(args, kwargs)
         if positions == (0,):

@@ -16,9 +16,8 @@ import torch
 
 from spmd.engine.registry import register
 from spmd.engine.decision import Decision, OpCall, TensorSpec
-from spmd.engine.rules.common import generic_kernel
-from spmd.engine.rules.pointwise import (aligned_inputs, broadcast_shape, is_inplace, merge_axes, pointwise_rule,
-                                        viewed_dims)
+from spmd.engine.rules.common import broadcast_view, generic_kernel
+from spmd.engine.rules.pointwise import aligned_inputs, broadcast_shape, is_inplace, merge_axes, pointwise_rule
 from spmd.engine.rules.reduction import arg, arg_index
 
 aten = torch.ops.aten
@@ -34,12 +33,12 @@ def log_sigmoid_rule(call: OpCall) -> Decision:
             return pointwise_rule(call)
         shape = broadcast_shape([grad.shape, x.shape])
         axes = merge_axes([grad, x], shape)
-        inputs, views = aligned_inputs(call, [grad, x], axes, shape)
+        inputs, pads = aligned_inputs(call, [grad, x], axes, shape)
 
         def backward(l, a, k):
-            g, xl = (t if v is None else t.view(v) for t, v in zip(l, views))
+            g, xl = map(broadcast_view, l, pads)
             return call.func(g, xl, l[2][0])
-        return Decision(inputs + ((None,),), (axes,), backward, fixed=viewed_dims(inputs, views))
+        return Decision(inputs + ((None,),), (axes,), backward)
     axes = call.specs[0].axes
     if call.mesh.torch_device.type != "cuda":
         return Decision((axes,), (axes, axes), generic_kernel(call.func), single=False)
@@ -87,11 +86,11 @@ def zero_d_value_rule(call: OpCall) -> Decision:
     operands = call.specs[:-1]
     shape = operands[0].shape if is_inplace(call.func) else broadcast_shape([s.shape for s in operands])
     axes = operands[0].axes if is_inplace(call.func) else merge_axes(operands, shape)
-    inputs, views = aligned_inputs(call, operands, axes, shape)
+    inputs, pads = aligned_inputs(call, operands, axes, shape)
 
     def kernel(l, a, k):
-        return call.func(*(t if v is None else t.view(v) for t, v in zip(l[:-1], views)), l[-1][0])
-    return Decision(inputs + ((),), (axes,), kernel, inplace=is_inplace(call.func), fixed=viewed_dims(inputs, views))
+        return call.func(*map(broadcast_view, l[:-1], pads), l[-1][0])
+    return Decision(inputs + ((),), (axes,), kernel, inplace=is_inplace(call.func))
 
 
 @register(aten.linalg_cross.default)
@@ -101,10 +100,10 @@ def cross_rule(call: OpCall) -> Decision:
     shape = broadcast_shape([s.shape for s in call.specs])
     dim = arg(call, "dim", -1) % len(shape)
     axes = tuple(None if i == dim else m for i, m in enumerate(merge_axes(call.specs, shape)))
-    inputs, views = aligned_inputs(call, call.specs, axes, shape)
+    inputs, pads = aligned_inputs(call, call.specs, axes, shape)
 
     def kernel(l, a, k):
-        return aten.linalg_cross.default(*(t if v is None else t.view(v) for t, v in zip(l, views)), dim=dim + 1)
+        return aten.linalg_cross.default(*map(broadcast_view, l, pads), dim=dim + 1)
     return Decision(inputs, (axes,), kernel)
 
 

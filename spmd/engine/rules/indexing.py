@@ -17,7 +17,8 @@ import torch
 
 from spmd.engine.registry import register
 from spmd.engine.decision import Decision, OpCall, TensorSpec, unsupported
-from spmd.engine.rules.common import generic_kernel, norm_dim, replace_tensors, shard_starts, zero_d_as_one_element
+from spmd.engine.rules.common import (broadcast_view, generic_kernel, norm_dim, replace_tensors, shard_starts,
+                                     zero_d_as_one_element)
 from spmd.engine.rules.pointwise import aligned_inputs, broadcast_shape, is_inplace, merge_axes
 from spmd.engine.rules.reduction import arg
 
@@ -108,19 +109,18 @@ def _index_tensors(call: OpCall, indices, new_axes: tuple, adv: _Advanced):
     """(the axes of each DTensor index, a function giving the kernel each index tensor (stacked, right-aligned to
     the new axes, or a plain 0-d tensor) from its locals and args)."""
     specs = [t for t in indices if isinstance(t, TensorSpec)]
-    axes, views = aligned_inputs(call, specs, new_axes, adv.shape)
+    axes, pads = aligned_inputs(call, specs, new_axes, adv.shape)
     first_local = 1
     picks, j = [], 0
     for pos, t in enumerate(indices):
         if isinstance(t, TensorSpec):
-            picks.append((first_local + j, views[j]))
+            picks.append((first_local + j, pads[j]))
             j += 1
         elif t is not None:  # a plain 0-d tensor: the same index on every device
             picks.append((None, pos))
 
     def tensors(locals_, args):
-        return [locals_[i].view(v) if i is not None and v is not None else locals_[i] if i is not None
-                else args[1][v] for i, v in picks]
+        return [broadcast_view(locals_[i], p) if i is not None else args[1][p] for i, p in picks]
     return axes, tensors
 
 
@@ -170,10 +170,10 @@ def index_put_rule(call: OpCall) -> Decision:
     sums = tuple(m for m in new_axes if m is not None)
     index_axes, index_tensors = _index_tensors(call, indices, new_axes, adv)
     values = call.args[2]
-    value_axes, value_view = (), None
+    value_axes, value_pad = (), None
     if isinstance(values, TensorSpec):
         out_shape = adv.out_shape(spec.shape)
-        (axes,), (value_view,) = aligned_inputs(call, [values], adv.out_axes(spec.axes, new_axes), out_shape)
+        (axes,), (value_pad,) = aligned_inputs(call, [values], adv.out_axes(spec.axes, new_axes), out_shape)
         value_axes = (axes,)
     nb = len(adv.shape)
     perm = (0,) + tuple(i + 1 for i in adv.indexed + adv.kept)
@@ -186,7 +186,7 @@ def index_put_rule(call: OpCall) -> Decision:
         idx = index_tensors(locals_, args)
         v = locals_[-1] if value_axes else args[2]
         if value_axes:
-            v = v if value_view is None else v.view(value_view)
+            v = broadcast_view(v, value_pad)
             v = v.movedim(*moved) if adv.start else v
         target = x if inplace else torch.where(first(x), x, 0) if sums else x
         work = _padded(target, remaps, idx)

@@ -49,21 +49,16 @@ def merge_axes(specs: list[TensorSpec], out_shape: tuple[int, ...]) -> tuple:
 
 
 def aligned_inputs(call: OpCall, specs: list[TensorSpec], out_axes: tuple, out_shape: tuple):
-    """Per operand: the axes it must have for `out_axes`, and the view that right-aligns its rank."""
+    """Per operand: the axes it must have for `out_axes`, and how many axes of 1 right-align its rank (None for
+    none: see `broadcast_view`)."""
     r = len(out_shape)
-    inputs, views = [], []
+    inputs, pads = [], []
     for s in specs:
         axes = tuple(None if (s.shape[j] == 1 and out_shape[j + r - s.rank] != 1) else out_axes[j + r - s.rank]
                      for j in range(s.rank))
         inputs.append(axes)
-        views.append(None if s.rank == r else (call.num_local,) + (1,) * (r - s.rank) + call.local_shape(s, axes))
-    return tuple(inputs), tuple(views)
-
-
-def viewed_dims(inputs: tuple, views: tuple) -> tuple:
-    """The mesh dims sharding the operands that `aligned_inputs` views by their local shapes: a decision's
-    `fixed` dims."""
-    return tuple(dict.fromkeys(m for axes, v in zip(inputs, views) if v is not None for m in axes if m is not None))
+        pads.append(None if s.rank == r else r - s.rank)
+    return tuple(inputs), tuple(pads)
 
 
 # elementwise ops whose native_functions.yaml entries lack torch's `pointwise` tag (torch tags the ops it wrote
@@ -107,15 +102,13 @@ def pointwise_rule(call: OpCall) -> Decision:
     out_axes = specs[0].axes if inplace else merge_axes(specs, out_shape)
     if inplace and specs[0].shape != out_shape:
         raise unsupported(call, "in-place op whose result would broadcast self")
-    inputs, views = aligned_inputs(call, specs, out_axes, out_shape)
-    kernel = generic_kernel(call.func, views=views if any(v is not None for v in views) else None)
-    fixed = viewed_dims(inputs, views)
+    inputs, pads = aligned_inputs(call, specs, out_axes, out_shape)
+    kernel = generic_kernel(call.func, pads=pads if any(p is not None for p in pads) else None)
     n_out = len(call.func._schema.returns)  # frexp: mantissa and exponent
     if n_out > 1:
-        return Decision(inputs, (out_axes,) * n_out, kernel, single=False, fixed=fixed)
+        return Decision(inputs, (out_axes,) * n_out, kernel, single=False)
     keeps, dims = _linear_in_pending(call, specs, out_axes)
-    return Decision(inputs, (out_axes,), kernel, inplace=inplace, keeps=keeps, reduce=(dims,) if keeps else (),
-                    fixed=fixed)
+    return Decision(inputs, (out_axes,), kernel, inplace=inplace, keeps=keeps, reduce=(dims,) if keeps else ())
 
 
 # functional ops linear in their pending-sum operands (f(sum of p) = sum of f(p)), by which operands: "both"
@@ -196,6 +189,5 @@ def to_copy_rule(call: OpCall) -> Decision:
 @register(aten.copy_.default, blockwise=True)
 def copy_rule(call: OpCall) -> Decision:
     dst, src = call.specs
-    inputs, views = aligned_inputs(call, [dst, src], dst.axes, dst.shape)
-    return Decision(inputs, (dst.axes,), generic_kernel(call.func, views=views), inplace=True,
-                    fixed=viewed_dims(inputs, views))
+    inputs, pads = aligned_inputs(call, [dst, src], dst.axes, dst.shape)
+    return Decision(inputs, (dst.axes,), generic_kernel(call.func, pads=pads), inplace=True)

@@ -17,7 +17,7 @@ import torch
 from spmd.collectives import Collective, Kind
 from spmd.engine.registry import register
 from spmd.engine.decision import Decision, OpCall
-from spmd.engine.rules.common import generic_kernel, norm_dims, shard_starts, zero_d_as_one_element
+from spmd.engine.rules.common import broadcast_view, generic_kernel, norm_dims, shard_starts, zero_d_as_one_element
 from spmd.engine.rules.pointwise import aligned_inputs, broadcast_shape, merge_axes
 
 aten = torch.ops.aten
@@ -191,11 +191,11 @@ def dist_rule(call: OpCall) -> Decision:
     shape = broadcast_shape([a.shape, b.shape])
     ord_ = _norm_order(call)
     axes = merge_axes([a, b], shape) if ord_ in _DECOMPOSABLE_ORDERS else (None,) * len(shape)
-    inputs, views = aligned_inputs(call, [a, b], axes, shape)
+    inputs, pads = aligned_inputs(call, [a, b], axes, shape)
     reduced = tuple(m for m in axes if m is not None)
 
     def difference(locals_):  # each component flattened: the reduction is over all its elements
-        x, y = (t if v is None else t.view(v) for t, v in zip(locals_, views))
+        x, y = map(broadcast_view, locals_, pads)
         return (x - y).reshape(call.num_local, -1)
     if not reduced:
         return Decision(inputs, ((),), lambda l, _, k: torch.linalg.vector_norm(difference(l), ord_, dim=1))
