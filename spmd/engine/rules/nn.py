@@ -98,9 +98,9 @@ def embedding_rule(call: OpCall) -> Decision:
         outside = (local < 0) | (local >= rows)
         out = torch.nn.functional.embedding(local.clamp(0, rows - 1) + stack_base(ids), flat)
         return out.masked_fill_(outside.unsqueeze(-1), 0)
-    reduce = ((vocab_dim,),) if vocab_dim is not None else ()
-    return Decision(((vocab_dim, emb_dim), idx_axes), (idx_axes + (emb_dim,),), kernel, reduce=reduce, fixed=reduce[0]
-                    if reduce else ())
+    vocab = (vocab_dim,) if vocab_dim is not None else ()  # (the kernel reads its blocks' first rows)
+    return Decision(((vocab_dim, emb_dim), idx_axes), (idx_axes + (emb_dim,),), kernel,
+                    reduce=(vocab,) if vocab else (), fixed=vocab)
 
 
 @register(aten.embedding_dense_backward.default, blockwise=True)
