@@ -11,7 +11,6 @@ copy expanded over the stack axis (stride 0): replicated values are held, and up
 
 from __future__ import annotations
 
-
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor

@@ -88,8 +88,8 @@ class Decision:
     `keeps`: the inputs whose pending sum stays unresolved, because the kernel is linear in them (`a + b` of two
     sums over the same dims is their sum's sum; `reduce` then leaves the output pending) or does not read values
     (`ones_like`). `fixed`: the mesh dims whose coordinates or block sizes the kernel was built for (a vocabulary
-    shard's first row, a bias's local shape): a blockwise rule's decision is run on finer blocks of
-    the other mesh dims only (see engine/multi_axis.py).
+    shard's first row, a bias's local shape): a blockwise rule's decision is run on finer blocks of the other mesh
+    dims only (see engine/multi_axis.py).
     """
     inputs: tuple
     outputs: tuple

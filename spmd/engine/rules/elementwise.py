@@ -33,7 +33,7 @@ def log_sigmoid_rule(call: OpCall) -> Decision:
             return pointwise_rule(call)
         shape = broadcast_shape([grad.shape, x.shape])
         axes = merge_axes([grad, x], shape)
-        inputs, pads = aligned_inputs(call, [grad, x], axes, shape)
+        inputs, pads = aligned_inputs([grad, x], axes, shape)
 
         def backward(l, a, k):
             g, xl = map(broadcast_view, l, pads)
@@ -86,7 +86,7 @@ def zero_d_value_rule(call: OpCall) -> Decision:
     operands = call.specs[:-1]
     shape = operands[0].shape if is_inplace(call.func) else broadcast_shape([s.shape for s in operands])
     axes = operands[0].axes if is_inplace(call.func) else merge_axes(operands, shape)
-    inputs, pads = aligned_inputs(call, operands, axes, shape)
+    inputs, pads = aligned_inputs(operands, axes, shape)
 
     def kernel(l, a, k):
         return call.func(*map(broadcast_view, l[:-1], pads), l[-1][0])
@@ -100,7 +100,7 @@ def cross_rule(call: OpCall) -> Decision:
     shape = broadcast_shape([s.shape for s in call.specs])
     dim = arg(call, "dim", -1) % len(shape)
     axes = tuple(None if i == dim else m for i, m in enumerate(merge_axes(call.specs, shape)))
-    inputs, pads = aligned_inputs(call, call.specs, axes, shape)
+    inputs, pads = aligned_inputs(call.specs, axes, shape)
 
     def kernel(l, a, k):
         return aten.linalg_cross.default(*map(broadcast_view, l, pads), dim=dim + 1)

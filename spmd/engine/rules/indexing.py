@@ -109,7 +109,7 @@ def _index_tensors(call: OpCall, indices, new_axes: tuple, adv: _Advanced):
     """(the axes of each DTensor index, a function giving the kernel each index tensor (stacked, right-aligned to
     the new axes, or a plain 0-d tensor) from its locals and args)."""
     specs = [t for t in indices if isinstance(t, TensorSpec)]
-    axes, pads = aligned_inputs(call, specs, new_axes, adv.shape)
+    axes, pads = aligned_inputs(specs, new_axes, adv.shape)
     first_local = 1
     picks, j = [], 0
     for pos, t in enumerate(indices):
@@ -173,7 +173,7 @@ def index_put_rule(call: OpCall) -> Decision:
     value_axes, value_pad = (), None
     if isinstance(values, TensorSpec):
         out_shape = adv.out_shape(spec.shape)
-        (axes,), (value_pad,) = aligned_inputs(call, [values], adv.out_axes(spec.axes, new_axes), out_shape)
+        (axes,), (value_pad,) = aligned_inputs([values], adv.out_axes(spec.axes, new_axes), out_shape)
         value_axes = (axes,)
     nb = len(adv.shape)
     perm = (0,) + tuple(i + 1 for i in adv.indexed + adv.kept)

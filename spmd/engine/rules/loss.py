@@ -43,7 +43,7 @@ def _elementwise_term(call: OpCall, operands) -> tuple:
     operands' aligned components): the op itself at `reduction='none'`."""
     shape = broadcast_shape([s.shape for s in operands])
     axes = merge_axes(operands, shape)
-    inputs, pads = aligned_inputs(call, operands, axes, shape)
+    inputs, pads = aligned_inputs(operands, axes, shape)
     term = generic_kernel(call.func, arg_overrides={arg_index(call.func, "reduction"): _NONE}, pads=pads)
     return axes, shape, inputs, term
 

@@ -48,7 +48,7 @@ def merge_axes(specs: list[TensorSpec], out_shape: tuple[int, ...]) -> tuple:
     return tuple(out)
 
 
-def aligned_inputs(call: OpCall, specs: list[TensorSpec], out_axes: tuple, out_shape: tuple):
+def aligned_inputs(specs: list[TensorSpec], out_axes: tuple, out_shape: tuple):
     """Per operand: the axes it must have for `out_axes`, and how many axes of 1 right-align its rank (None for
     none: see `broadcast_view`)."""
     r = len(out_shape)
@@ -102,7 +102,7 @@ def pointwise_rule(call: OpCall) -> Decision:
     out_axes = specs[0].axes if inplace else merge_axes(specs, out_shape)
     if inplace and specs[0].shape != out_shape:
         raise unsupported(call, "in-place op whose result would broadcast self")
-    inputs, pads = aligned_inputs(call, specs, out_axes, out_shape)
+    inputs, pads = aligned_inputs(specs, out_axes, out_shape)
     kernel = generic_kernel(call.func, pads=pads if any(p is not None for p in pads) else None)
     n_out = len(call.func._schema.returns)  # frexp: mantissa and exponent
     if n_out > 1:
@@ -189,5 +189,5 @@ def to_copy_rule(call: OpCall) -> Decision:
 @register(aten.copy_.default, blockwise=True)
 def copy_rule(call: OpCall) -> Decision:
     dst, src = call.specs
-    inputs, pads = aligned_inputs(call, [dst, src], dst.axes, dst.shape)
+    inputs, pads = aligned_inputs([dst, src], dst.axes, dst.shape)
     return Decision(inputs, (dst.axes,), generic_kernel(call.func, pads=pads), inplace=True)

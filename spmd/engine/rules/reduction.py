@@ -191,7 +191,7 @@ def dist_rule(call: OpCall) -> Decision:
     shape = broadcast_shape([a.shape, b.shape])
     ord_ = _norm_order(call)
     axes = merge_axes([a, b], shape) if ord_ in _DECOMPOSABLE_ORDERS else (None,) * len(shape)
-    inputs, pads = aligned_inputs(call, [a, b], axes, shape)
+    inputs, pads = aligned_inputs([a, b], axes, shape)
     reduced = tuple(m for m in axes if m is not None)
 
     def difference(locals_):  # each component flattened: the reduction is over all its elements
