@@ -2,8 +2,10 @@
 spmd eager, in one process; plus compile times.
 
 Models: the residual MLP of issue #9's CPU target (D=64 H=256 L=4 B=32, GELU blocks, SGD) and the demo GPT
-(AdamW). spmd runs on a 1-device mesh and on 8 virtual devices (batch 4 × model 2, Megatron layouts). Every
-variant's losses are checked against plain torch's.
+(AdamW). spmd runs on a 1-device mesh and on 8 virtual devices (batch 4 × model 2, Megatron layouts), eagerly,
+under `spmd.function` (torch.compile's graphs between backward() and the optimizer) and under
+`spmd.function(whole_step=True)` (forward, backward and update one graph). Every variant's losses are checked
+against plain torch's.
 
 usage: python benchmarks/bench_function.py [--quick] [--steps N] [--reps R] [--out DIR]
        python benchmarks/bench_function.py --readme-only   # README.md's table from results/function.json
@@ -31,10 +33,13 @@ from benchmarks._common import environment, fmt, md_table, output_arguments, rat
 from spmd import UNSHARDED, Layout
 from spmd.demo.model import GPT, GPTConfig, megatron_layouts
 
-VARIANTS = ("plain", "plain_compiled", "spmd1", "spmd1_function", "spmd8", "spmd8_function")
+VARIANTS = ("plain", "plain_compiled", "spmd1", "spmd1_function", "spmd1_whole", "spmd8", "spmd8_function",
+            "spmd8_whole")
 LABELS = {"plain": "plain torch", "plain_compiled": "plain torch.compile", "spmd1": "spmd eager, 1 device",
-          "spmd1_function": "spmd.function, 1 device", "spmd8": "spmd eager, 8 devices",
-          "spmd8_function": "spmd.function, 8 devices"}
+          "spmd1_function": "spmd.function, 1 device", "spmd1_whole": "spmd.function whole step, 1 device",
+          "spmd8": "spmd eager, 8 devices", "spmd8_function": "spmd.function, 8 devices",
+          "spmd8_whole": "spmd.function whole step, 8 devices"}
+COMPILED = ("plain_compiled", "spmd1_function", "spmd1_whole", "spmd8_function", "spmd8_whole")
 
 
 class Block(nn.Module):
@@ -118,6 +123,8 @@ def build(variant: str, case):
     step = make_step(model, optimizer(model.parameters()))
     if variant.endswith("function"):
         step = spmd.function(step, fullgraph=False)
+    elif variant.endswith("whole"):
+        step = spmd.function(step, whole_step=True)
     layout = Layout(["batch"] + [UNSHARDED] * (data[0][0].dim() - 1), mesh)
     return step, [(spmd.copy_to_mesh(x, layout), spmd.copy_to_mesh(y, layout)) for x, y in data]
 
@@ -133,9 +140,10 @@ def measure(case, steps: int, reps: int) -> dict:
     for variant in VARIANTS:
         step, data = build(variant, case)
         start = time.perf_counter()
-        first = loss_value(step(*data[0]))  # compiles the compiled variants
+        # compiles the compiled variants (a whole step on its second call: the first runs eagerly)
+        losses = [loss_value(step(*data[i])) for i in range(2 if variant.endswith("whole") else 1)]
         compile_s = time.perf_counter() - start
-        losses = [first] + [loss_value(step(*data[i % len(data)])) for i in range(1, 4)]
+        losses += [loss_value(step(*data[i % len(data)])) for i in range(len(losses), 4)]
         built[variant] = step, data
         out[variant] = {"runs": [], "first_call_s": compile_s, "losses": losses}
     for _ in range(reps):
@@ -166,16 +174,14 @@ def readme_table(data: dict) -> str:
         plain = res["plain"]["ms"]
         rows.append([name, fmt(plain, 2)] + [f"{fmt(res[v]['ms'], 2)} ({ratio(res[v]['ms'], plain)})"
                                              for v in VARIANTS[1:]])
-        compile_rows.append([name] + [fmt(res[v]["first_call_s"], 1) for v in
-                                      ("plain_compiled", "spmd1_function", "spmd8_function")]
+        compile_rows.append([name] + [fmt(res[v]["first_call_s"], 1) for v in COMPILED]
                             + [ratio(res["spmd1_function"]["first_call_s"], res["plain_compiled"]["first_call_s"])])
     worst = max(res[v]["max_loss_rel_diff"] for res in data["cases"].values() for v in VARIANTS)
     return "\n\n".join([
         caption(data),
         md_table(header, rows),
-        "First call (trace + compile), seconds:",
-        md_table(["model", "plain torch.compile", "spmd.function 1 device", "spmd.function 8 devices",
-                  "spmd 1 device / plain"], compile_rows),
+        "First call (trace + compile; a whole step's first two calls, the first eager), seconds:",
+        md_table(["model"] + [LABELS[v] for v in COMPILED] + ["spmd.function 1 device / plain"], compile_rows),
         f"Every variant's losses equal plain torch's (largest relative difference {worst:.1e})."])
 
 

@@ -59,18 +59,22 @@ from spmd.demo.model import GPT, GPTConfig, megatron_layouts
 
 STEM = "gpu"
 # the default run, in order; "_cg": the compiled step with CUDA graphs (torch.compile's mode="reduce-overhead")
-VARIANTS = ("plain", "compile", "compile_step", "dt", "spmd1", "spmd8", "fn1", "fn8", "compile_step_cg", "fn1_cg",
-            "fn8_cg")
+VARIANTS = ("plain", "compile", "compile_step", "dt", "spmd1", "spmd8", "fn1", "fn8", "ws1", "ws8", "compile_step_cg",
+            "fn1_cg", "fn8_cg")
 EXTRA = ("fn8aot",)  # on request (--variants): fn8 with the aot_eager backend, spmd demo's choice for 8 devices
 LABELS = {"plain": "plain torch (eager)", "compile": "plain `torch.compile(model)`",
           "compile_step": "plain `torch.compile` of the step (as `spmd.function`)",
           "dt": "torch DTensor TP, world size 1", "spmd1": "spmd eager, 1-device mesh",
           "spmd8": "spmd eager, 8 virtual devices (batch 4 × model 2)", "fn1": "`spmd.function` step, 1-device mesh",
-          "fn8": "`spmd.function` step, 8 virtual devices", "fn8aot": "`spmd.function` (aot_eager), 8 virtual devices",
+          "fn8": "`spmd.function` step, 8 virtual devices",
+          "ws1": "`spmd.function(whole_step=True)`, 1-device mesh",
+          "ws8": "`spmd.function(whole_step=True)`, 8 virtual devices",
+          "fn8aot": "`spmd.function` (aot_eager), 8 virtual devices",
           "compile_step_cg": "plain `torch.compile` of the step, CUDA graphs",
           "fn1_cg": "`spmd.function` step, 1-device mesh, CUDA graphs",
           "fn8_cg": "`spmd.function` step, 8 virtual devices, CUDA graphs"}
-COMPILED = {"compile", "compile_step", "fn1", "fn8", "fn8aot", "compile_step_cg", "fn1_cg", "fn8_cg"}  # run last
+COMPILED = {"compile", "compile_step", "fn1", "fn8", "ws1", "ws8", "fn8aot", "compile_step_cg", "fn1_cg",
+            "fn8_cg"}  # run last
 FULL = dict(vocab_size=32768, block_size=512, n_layer=8, n_head=16, d_model=1024, batch_size=16)
 QUICK = dict(vocab_size=96, block_size=16, n_layer=1, n_head=2, d_model=16, batch_size=8)  # batch divisible by 4
 MESHES = {1: [("batch", 1)], 8: [("batch", 4), ("model", 2)]}
@@ -144,7 +148,7 @@ def build(name: str, cfg: dict):
         positions = torch.arange(cfg["block_size"], device=device)
         put = lambda t: t.to(device)  # noqa: E731
     else:
-        positions, put = spmd_model(model, 8 if name.startswith("fn8") or name == "spmd8" else 1, device)
+        positions, put = spmd_model(model, 8 if name.startswith(("fn8", "ws8")) or name == "spmd8" else 1, device)
     # torch DT keeps the embeddings and norms plain: its foreach AdamW (CUDA's default) refuses lists that mix plain
     # tensors and DTensors ("got mixed torch.Tensor and DTensor"), so it takes the for-loop
     opt = torch.optim.AdamW(model.parameters(), lr=LR, **({"foreach": False} if name == "dt" else {}))
@@ -153,6 +157,8 @@ def build(name: str, cfg: dict):
         step = torch.compile(step, mode=mode)
     if name.startswith("fn"):
         step = spmd.function(step, fullgraph=False, backend="aot_eager" if name == "fn8aot" else "inductor", mode=mode)
+    if name.startswith("ws"):  # forward, backward and the update one graph
+        step = spmd.function(step, whole_step=True, mode=mode)
     return step, put, model, opt
 
 

@@ -85,11 +85,12 @@ def torch_loss(p, x, y):
     return ((out - y) ** 2).mean()
 
 
-def torch_runner(params, x, y, config: str | None, compiled: bool = False):
+def torch_runner(params, x, y, config: str | None, compiled: bool | str = False):
     """step() -> loss tensor: value_and_grad, then p -= LR * g (in place), as the JAX step. `config` None is
     plain torch, eager or (`compiled`) under `torch.compile`; otherwise spmd on 1 device / data parallel x=8 /
     batch=4 × model=2, eager or under `spmd.function` (the gradient and the update run as compiled graphs;
-    `autograd.grad` is torch's own break)."""
+    `autograd.grad` is torch's own break), or (`compiled="whole"`) `spmd.function(whole_step=True)` (the step one
+    graph, as jax.jit's)."""
     p = {k: torch.from_numpy(v.copy()) for k, v in params.items()}
     x, y = torch.from_numpy(x.copy()), torch.from_numpy(y.copy())
     if config is not None:
@@ -121,7 +122,9 @@ def torch_runner(params, x, y, config: str | None, compiled: bool = False):
         return loss
     if not compiled:
         return step
-    return torch.compile(step) if config is None else spmd.function(step, fullgraph=False)
+    if config is None:
+        return torch.compile(step)
+    return spmd.function(step, whole_step=True) if compiled == "whole" else spmd.function(step, fullgraph=False)
 
 
 def torch_value(loss) -> float:
@@ -190,13 +193,14 @@ def readme_table(data: dict) -> str:
     """README.md's table from jax_mlp.json: ms/step of plain torch, spmd and JAX per configuration."""
     m = lambda k: data["results"].get(k, {}).get("median_ms")  # noqa: E731
     rows = [[LABELS[c], fmt(m("torch/1dev")), fmt(m("torch.compile/1dev")), fmt(m(f"spmd/{c}")),
-             fmt(m(f"spmd.function/{c}")),
-             fmt(m(f"jax/{c}")), ratio(m(f"spmd/{c}"), m(f"jax/{c}")), ratio(m(f"spmd.function/{c}"), m(f"jax/{c}"))]
+             fmt(m(f"spmd.function/{c}")), fmt(m(f"whole step/{c}")),
+             fmt(m(f"jax/{c}")), ratio(m(f"spmd/{c}"), m(f"jax/{c}")), ratio(m(f"spmd.function/{c}"), m(f"jax/{c}")),
+             ratio(m(f"whole step/{c}"), m(f"jax/{c}"))]
             for c in CONFIGS]
     s = data["shape"]
     hdr = [f"2-layer MLP, batch {s['B']}, {s['D']} → {s['H']} → {s['D']}, ms/step", "plain torch (1 device)",
-           "plain torch.compile (1 device)", "spmd eager", "spmd.function", "JAX", "spmd eager / JAX",
-           "spmd.function / JAX"]
+           "plain torch.compile (1 device)", "spmd eager", "spmd.function", "spmd.function whole step", "JAX",
+           "spmd eager / JAX", "spmd.function / JAX", "whole step / JAX"]
     return caption(data) + "\n\n" + md_table(hdr, rows)
 
 
@@ -243,6 +247,7 @@ def _main(a) -> dict:
     for c in CONFIGS:
         runners[("spmd", c)] = torch_runner(params, x, y, c)
         runners[("spmd.function", c)] = torch_runner(params, x, y, c, compiled=True)
+        runners[("whole step", c)] = torch_runner(params, x, y, c, compiled="whole")
         if jax is not None:
             try:
                 runners[("jax", c)], collectives[c] = jax_runner(jax, params, x, y, c)
@@ -280,19 +285,21 @@ def _main(a) -> dict:
     def m(fw, c, key="median_ms"):
         return res.get((fw, c), {}).get(key)
     t_plain = m("torch", "1dev")
-    hdr = ["configuration", "spmd ms/step", "spmd.function ms/step", "JAX ms/step", "plain torch ms/step (1 device)",
-           "plain torch.compile ms/step (1 device)", "spmd/JAX", "spmd.function/JAX", "spmd/torch", "JAX/torch",
-           "spmd CPU ms/step", "JAX CPU ms/step",
-           "spmd loss rel. Δ", "spmd.function loss rel. Δ", "JAX loss rel. Δ"]
+    hdr = ["configuration", "spmd ms/step", "spmd.function ms/step", "whole step ms/step", "JAX ms/step",
+           "plain torch ms/step (1 device)", "plain torch.compile ms/step (1 device)", "spmd/JAX",
+           "spmd.function/JAX", "whole step/JAX", "spmd/torch", "JAX/torch", "spmd CPU ms/step", "JAX CPU ms/step",
+           "spmd loss rel. Δ", "spmd.function loss rel. Δ", "whole step loss rel. Δ", "JAX loss rel. Δ"]
     rows = []
     for c in CONFIGS:
-        rows.append([LABELS[c], fmt(m("spmd", c), 2), fmt(m("spmd.function", c), 2), fmt(m("jax", c), 2),
-                     fmt(t_plain, 2), fmt(m("torch.compile", "1dev"), 2), ratio(m("spmd", c), m("jax", c)),
-                     ratio(m("spmd.function", c), m("jax", c)),
+        rows.append([LABELS[c], fmt(m("spmd", c), 2), fmt(m("spmd.function", c), 2), fmt(m("whole step", c), 2),
+                     fmt(m("jax", c), 2), fmt(t_plain, 2), fmt(m("torch.compile", "1dev"), 2),
+                     ratio(m("spmd", c), m("jax", c)), ratio(m("spmd.function", c), m("jax", c)),
+                     ratio(m("whole step", c), m("jax", c)),
                      ratio(m("spmd", c), t_plain), ratio(m("jax", c), t_plain),
                      fmt(m("spmd", c, "median_cpu_ms"), 1), fmt(m("jax", c, "median_cpu_ms"), 1),
                      f"{res[('spmd', c)]['max_rel_loss_diff']:.1e}",
                      f"{res[('spmd.function', c)]['max_rel_loss_diff']:.1e}",
+                     f"{res[('whole step', c)]['max_rel_loss_diff']:.1e}",
                      f"{res[('jax', c)]['max_rel_loss_diff']:.1e}" if ("jax", c) in res else "–"])
     data = {"env": environment(), "jax": jax.__version__ if jax is not None else None, "jax_skipped": why,
             "threads": a.threads, "cores": cores, "shape": shape, "steps": steps, "reps": reps, "warm": warm,

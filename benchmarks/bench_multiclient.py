@@ -5,8 +5,9 @@
     reduce-scatter (pending sum -> S0), all-reduce (pending sum -> R), for N x N fp32.
 (b) a data-parallel training step of benchmarks/bench_mlp.py's residual MLP (per-rank batch 32): spmd (mesh
     batch=2, `distribute_module` with its gradient buckets, data sharded on batch), spmd without buckets
-    (`bucket_cap_mb=0`: each gradient all-reduced when read), the step under `spmd.function` (inductor; aot_eager
-    with --quick) vs DDP vs torch DT (Replicate params, Shard(0) data).
+    (`bucket_cap_mb=0`: each gradient all-reduced when read), the step under `spmd.function` and as one graph
+    under `spmd.function(whole_step=True)` (inductor; aot_eager with --quick) vs DDP vs torch DT (Replicate params,
+    Shard(0) data).
 
 usage: python benchmarks/bench_multiclient.py [--quick] [--sizes 64 512 2048] [--reps R] [--steps N] [--out DIR]
        python benchmarks/bench_multiclient.py --readme-only   # README.md's table from results/multiclient.json
@@ -197,7 +198,7 @@ def _mlp_step_variants(args, rank, mesh, dmesh):
     for opt_name in ("sgd", "adamw"):
         data = Layout(["batch", U], mesh)
         sx, sy = spmd.copy_to_mesh(x, data), spmd.copy_to_mesh(y, data)
-        for name, cap in (("spmd", 25), ("spmd_nb", 0), ("fn", 25)):  # DDP's default bucket size; no buckets
+        for name, cap in (("spmd", 25), ("spmd_nb", 0), ("fn", 25), ("ws", 25)):  # DDP's default bucket size
             net = spmd.distribute_module(copy.deepcopy(base), mesh, bucket_cap_mb=cap)
             variants[f"{name}/{opt_name}"] = (net, make_opt(opt_name, net.parameters(), foreach=None), sx, sy)
         ddp = DDP(copy.deepcopy(base))
@@ -217,8 +218,11 @@ def _mlp_step_variants(args, rank, mesh, dmesh):
             loss.backward()
             opt.step()
             return loss
+        backend = "aot_eager" if args.quick else "inductor"
         if name.startswith("fn/"):  # function mode: one compiled forward+backward graph, one optimizer graph
-            body = spmd.function(body, backend="aot_eager" if args.quick else "inductor", fullgraph=False)
+            body = spmd.function(body, backend=backend, fullgraph=False)
+        elif name.startswith("ws/"):  # the whole step one graph
+            body = spmd.function(body, backend=backend, whole_step=True)
 
         def step():
             losses[name].append(body(sx, sy).detach())
@@ -322,6 +326,11 @@ def readme_table(data: dict) -> str:
             rows.append(["the same step under `spmd.function` (inductor; the gradients' all-reduces in one bucket)",
                          "DDP " + slash(map(fmt, ddp)), slash(map(fmt, fn)), slash(map(fmt, dt)),
                          slash(map(ratio, fn, ddp)) + " of DDP", slash(map(ratio, fn, dt))])
+        ws = [m["results"].get(f"ws/{o}", {}).get("median") for o in ("sgd", "adamw")]
+        if any(ws):
+            rows.append(["the same step as one graph, `spmd.function(whole_step=True)` (inductor)",
+                         "DDP " + slash(map(fmt, ddp)), slash(map(fmt, ws)), slash(map(fmt, dt)),
+                         slash(map(ratio, ws, ddp)) + " of DDP", slash(map(ratio, ws, dt))])
     hdr = ["", "raw `torch.distributed`", "spmd", "torch DT", "spmd / raw", "spmd / torch DT"]
     return caption(data) + unit + "\n\n" + md_table(hdr, rows)
 
@@ -384,18 +393,17 @@ def report(data: dict) -> str:
         rows = []
         for opt in ("sgd", "adamw"):
             get = lambda v: m["results"].get(f"{v}/{opt}", {}).get("median")  # noqa: E731
-            s, nb, fn, ddp, dt = get("spmd"), get("spmd_nb"), get("fn"), get("ddp"), get("dt")
-            errs = [f"{v}: {m['results'][f'{v}/{opt}']['error']}" for v in ("spmd", "spmd_nb", "fn", "ddp", "dt")
+            s, nb, fn, ws, ddp, dt = (get(v) for v in ("spmd", "spmd_nb", "fn", "ws", "ddp", "dt"))
+            errs = [f"{v}: {m['results'][f'{v}/{opt}']['error']}" for v in ("spmd", "spmd_nb", "fn", "ws", "ddp", "dt")
                     if "error" in m["results"].get(f"{v}/{opt}", {})]
             rows.append([opt.upper() if opt == "sgd" else "AdamW", fmt(ddp, 2), fmt(s, 2), fmt(nb, 2), fmt(fn, 2),
-                         fmt(dt, 2), ratio(s, ddp), ratio(nb, ddp), ratio(fn, ddp), ratio(s, dt),
-                         f"{m['max_loss_diff_vs_ddp'].get(f'spmd/{opt}', float('nan')):.1e}",
-                         f"{m['max_loss_diff_vs_ddp'].get(f'fn/{opt}', float('nan')):.1e}",
-                         f"{m['max_loss_diff_vs_ddp'].get(f'dt/{opt}', float('nan')):.1e}"] + (
-                             ["; ".join(errs)] if errs else []))
-        lines += [md_table(["optimizer", "DDP ms", "spmd ms", "spmd no buckets ms", "spmd.function ms", "torch DT ms",
-                            "spmd/DDP", "no buckets/DDP", "spmd.function/DDP", "spmd/DT",
-                            "spmd loss diff", "spmd.function loss diff", "DT loss diff"], rows), ""]
+                         fmt(ws, 2), fmt(dt, 2), ratio(s, ddp), ratio(nb, ddp), ratio(fn, ddp), ratio(ws, ddp),
+                         ratio(s, dt)] + [f"{m['max_loss_diff_vs_ddp'].get(f'{v}/{opt}', float('nan')):.1e}"
+                                          for v in ("spmd", "fn", "ws", "dt")] + (["; ".join(errs)] if errs else []))
+        lines += [md_table(["optimizer", "DDP ms", "spmd ms", "spmd no buckets ms", "spmd.function ms",
+                            "whole step ms", "torch DT ms", "spmd/DDP", "no buckets/DDP", "spmd.function/DDP",
+                            "whole step/DDP", "spmd/DT", "spmd loss diff", "spmd.function loss diff",
+                            "whole step loss diff", "DT loss diff"], rows), ""]
     return "\n".join(lines)
 
 

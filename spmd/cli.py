@@ -176,6 +176,9 @@ def main(argv=None) -> int:
     train.add_argument("--seed", type=int, default=defaults.seed)
     train.add_argument("--compile", action="store_true",
                        help="run the training step under spmd.function (traced once, no per-op Python)")
+    train.add_argument("--whole-step", action="store_true",
+                       help="trace the training step as one graph: forward, backward and the optimizer's update "
+                            "(spmd.function(whole_step=True))")
     train.add_argument("--shard-parameters", action="store_true",
                        help="also shard parameters, gradients and optimizer state over 'batch' (FSDP / ZeRO-3)")
     train.add_argument("--no-check", dest="check", action="store_false",

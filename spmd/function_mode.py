@@ -28,6 +28,7 @@ from spmd.explain import Explanation, Recorder
 from spmd.forbidden import check_forbidden, forbidden_kinds
 from spmd.layout import Layout
 from spmd.scope import EAGER_IMPLICIT_REPLICATION
+from spmd.whole_step import WholeStep
 
 # torch's own graph breaks in a training step: autograd's backward and the optimizer's step run between graphs
 MAX_TRACES = 64  # traces of one function (torch's recompile limit) before it runs eagerly
@@ -41,7 +42,8 @@ _EXPECTED_BREAKS = ("Tensor.backward()", "torch._dynamo.graph_break()", "`Optimi
 
 def function(fn: Callable | None = None, *, backend: str | Callable = "inductor", mode: str | None = None,
              dynamic: bool = False, fullgraph: bool = True, out_layouts: Any = None,
-             max_autobroadcast_elements: int = 1 << 16, forbid: str | Sequence[str] | None = None):
+             max_autobroadcast_elements: int = 1 << 16, forbid: str | Sequence[str] | None = None,
+             whole_step: bool = False):
     """Compiles `fn` over DTensors (the seeds' `tf.function`). Use as `@spmd.function` or
     `spmd.function(fn, backend=...)`.
 
@@ -59,6 +61,9 @@ def function(fn: Callable | None = None, *, backend: str | Callable = "inductor"
       forbid: collective kinds the function's forward must not run (`"all_gather"`, `"all_to_all"`, ..., or
         `"all"`): a trace that would is a `TraceError` naming the op and its line (and, for a value constrained
         to two layouts, both constraints' lines).
+      whole_step: trace a training step (forward, `backward()`, the optimizer's update) into one graph over the
+        components, as `tf.function` does, rather than the graphs between torch.compile's breaks; its Python runs
+        when traced only. See spmd/whole_step.py and docs/function.md.
 
     >>> mesh = create_mesh([("x", 2)])
     >>> @function(backend="eager")
@@ -71,16 +76,16 @@ def function(fn: Callable | None = None, *, backend: str | Callable = "inductor"
     if fn is None:
         return functools.partial(function, backend=backend, mode=mode, dynamic=dynamic, fullgraph=fullgraph,
                                  out_layouts=out_layouts, max_autobroadcast_elements=max_autobroadcast_elements,
-                                 forbid=forbid)
+                                 forbid=forbid, whole_step=whole_step)
     return Function(fn, backend=backend, mode=mode, dynamic=dynamic, fullgraph=fullgraph, out_layouts=out_layouts,
-                    max_autobroadcast_elements=max_autobroadcast_elements, forbid=forbid)
+                    max_autobroadcast_elements=max_autobroadcast_elements, forbid=forbid, whole_step=whole_step)
 
 
 class Function:
     """A function traced and compiled over DTensors; see `spmd.function`."""
 
     def __init__(self, fn, *, backend, mode, dynamic, fullgraph, out_layouts, max_autobroadcast_elements,
-                 forbid=None):
+                 forbid=None, whole_step=False):
         if dynamic:
             raise NotImplementedError(
                 f"spmd.function({getattr(fn, '__qualname__', fn)!r}, dynamic=True): spmd's sharding rules decide "
@@ -100,9 +105,18 @@ class Function:
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, MAX_TRACES)
         self._compiled = torch.compile(_own_code(self._body), backend=self._counting, fullgraph=fullgraph,
                                        dynamic=dynamic, options={"guard_filter_fn": _needed_guards})
+        self._whole_step = None
+        if whole_step:
+            if self._forbid:
+                raise ValueError(f"spmd.function({self.__name__!r}): forbid= does not apply to whole_step=True yet; "
+                                 "check the step's collectives with .explain(...) instead")
+            self._whole_step = WholeStep(fn, self._body, self.__name__, self._compile, MAX_TRACES)
 
     def __call__(self, *args, **kwargs):
         args, kwargs = self._broadcast(args, kwargs)
+        if self._whole_step is not None:
+            with _running:
+                return self._whole_step(args, kwargs)
         traces, breaks = self._traces, _graph_breaks()
         try:
             with _running:
@@ -118,7 +132,7 @@ class Function:
 
     def experimental_get_tracing_count(self) -> int:
         """How many times `fn` was traced: once per new signature (layouts, shapes, dtypes of the arguments)."""
-        return self._traces
+        return self._traces if self._whole_step is None else self._whole_step.count
 
     def explain(self, *args, backward: bool = False, **kwargs) -> Explanation:
         """Traces `fn` for these arguments without running it, and returns what its expansion does: every op with
@@ -126,9 +140,12 @@ class Function:
 
         With `backward=True` the (first) result that requires grad is also differentiated, and the backward's
         ops and collectives are listed too (marked `backward`). A function with a graph break is explained up
-        to its first break.
+        to its first break. A whole step (`whole_step=True`) is explained whole: its backward and update included.
         """
         args, kwargs = self._broadcast(args, kwargs)
+        if self._whole_step is not None:  # the whole step: its backward and update are in it
+            with _running:
+                return self._whole_step.explain(args, kwargs)
         recorder = Recorder()
 
         def capture(gm, example_inputs):

@@ -20,7 +20,7 @@ def test_bench_multiclient_quick(tmp_path):
     for name, res in data["mlp"]["results"].items():
         assert "error" not in res, (name, res)
     for opt in ("sgd", "adamw"):
-        for variant in ("spmd", "fn"):
+        for variant in ("spmd", "fn", "ws"):
             assert data["mlp"]["max_loss_diff_vs_ddp"][f"{variant}/{opt}"] == pytest.approx(0.0, abs=1e-5)
 
 

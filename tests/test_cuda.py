@@ -219,9 +219,11 @@ def test_demo_trains_on_the_gpu_with_the_cpu_loss_curve():
     assert gpu["losses"] == pytest.approx(cpu["losses"], rel=1e-4)
 
 
-@pytest.mark.parametrize("backend, mode", [("aot_eager", None), ("inductor", None), ("inductor", "reduce-overhead")])
-def test_a_compiled_training_step_matches_eager_on_the_gpu(backend, mode, mesh):
-    """mode="reduce-overhead": the forward, backward and optimizer graphs run as CUDA graphs, none skipped."""
+@pytest.mark.parametrize("backend, mode, whole_step", [("aot_eager", None, False), ("inductor", None, False),
+                                                      ("inductor", "reduce-overhead", False), ("inductor", None, True)])
+def test_a_compiled_training_step_matches_eager_on_the_gpu(backend, mode, whole_step, mesh):
+    """mode="reduce-overhead": the forward, backward and optimizer graphs run as CUDA graphs, none skipped.
+    whole_step: the step one graph."""
     plain, dist, _, put = _pair(mesh)
 
     def stepper(model, opt):
@@ -234,7 +236,7 @@ def test_a_compiled_training_step_matches_eager_on_the_gpu(backend, mode, mesh):
         return step
 
     compiled = spmd.function(stepper(dist, torch.optim.AdamW(dist.parameters(), lr=0.01)), backend=backend,
-                             mode=mode, fullgraph=False)
+                             mode=mode, fullgraph=False, whole_step=whole_step)
     eager = stepper(plain, torch.optim.AdamW(plain.parameters(), lr=0.01))
     skips = counters["inductor"]["cudagraph_skips"]
     torch.manual_seed(1)

@@ -33,6 +33,14 @@ def test_demo_compiled_matches_single_device(shard_parameters, dropout):
     assert result["parity"], result
 
 
+@pytest.mark.parametrize("mesh,shard_parameters,dropout", [("batch=2,model=2", False, 0.0),
+                                                           ("batch=2,model=2", True, 0.0), ("batch=2", False, 0.1)])
+def test_demo_as_one_graph_matches_single_device(mesh, shard_parameters, dropout):
+    result = run(DemoArgs(mesh=mesh, steps=4, batch_size=8, block_size=16, d_model=32, whole_step=True,
+                          shard_parameters=shard_parameters, dropout=dropout), _quiet())
+    assert result["parity"], result
+
+
 def test_demo_with_sharded_parameters_matches_single_device():
     result = run(DemoArgs(mesh="batch=4,model=2", steps=3, batch_size=8, block_size=16, d_model=32,
                           shard_parameters=True), _quiet())

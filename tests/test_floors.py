@@ -22,8 +22,8 @@ FLOORS = {  # a module's floor is that of its longest matching entry; `spmd` alo
     1: ["spmd.collectives", "spmd.explain", "spmd.ops", "spmd.tracing"],  # collectives, spmd's own ops
     2: ["spmd.dtensor", "spmd.random", "spmd.shards"],  # the DTensor
     3: ["spmd.engine"],  # the rule engine
-    4: ["spmd.api", "spmd.creation", "spmd.scope", "spmd.variable", "spmd.function_mode", "spmd.forbidden",
-        "spmd.visualize"],
+    4: ["spmd.api", "spmd.creation", "spmd.scope", "spmd.variable", "spmd.function_mode", "spmd.whole_step",
+        "spmd.forbidden", "spmd.visualize"],
     5: ["spmd.nn", "spmd.buckets", "spmd.fsdp", "spmd.data", "spmd.checkpoint", "spmd.runtime", "spmd.xla", "spmd.interop"],
     6: ["spmd.cli", "spmd.demo", "spmd.controller", "spmd"],
 }

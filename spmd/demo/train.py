@@ -34,6 +34,7 @@ class DemoArgs:
     seed: int = 0
     check: bool = True
     compile: bool = False  # the training step under spmd.function (traced once)
+    whole_step: bool = False  # ... as one graph: forward, backward and the update (spmd.function(whole_step=True))
     shard_parameters: bool = False  # parameters and optimizer state also sharded over "batch" (FSDP)
 
 
@@ -120,10 +121,11 @@ def train_spmd(model: GPT, mesh: spmd.Mesh, args: DemoArgs, data, console: Conso
         opt.zero_grad()
         return loss
 
-    if args.compile:  # backward and the optimizer step run between graphs, as under torch.compile
-        # aot_eager: the traced graphs run as plain aten kernels, no per-op Python. (inductor miscompiles this
-        # model's AdamW graph when two parameters share a global shape but not a local one: a known bug.)
-        train_step = spmd.function(train_step, backend="aot_eager", fullgraph=False)
+    if args.compile or args.whole_step:  # without whole_step, backward and the optimizer step run between graphs,
+        # as under torch.compile. aot_eager: the traced graphs run as plain aten kernels, no per-op Python.
+        # (inductor miscompiles this model's AdamW graph when two parameters share a global shape but not a local
+        # one: a known bug.)
+        train_step = spmd.function(train_step, backend="aot_eager", fullgraph=False, whole_step=args.whole_step)
     progress = Progress(TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(),
                         TextColumn("loss {task.fields[loss]:.4f}  {task.fields[rate]:,.0f} tokens/s"),
                         TimeRemainingColumn(), console=console, transient=False, disable=console is None)

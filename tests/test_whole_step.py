@@ -1,0 +1,305 @@
+"""Whole-step capture (`spmd.function(step, whole_step=True)`): forward, backward and the optimizer's update traced
+into one graph equal eager spmd (every parameter's and optimizer state's components) and plain torch; the step is
+traced once, and again exactly when what it assumed changes; `explain` lists the whole step's collectives."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import spmd
+from spmd import UNSHARDED, Layout
+from spmd.errors import TraceError
+from sweep import components, gather
+
+U = UNSHARDED
+
+
+class _MLP(nn.Module):
+    def __init__(self, dropout: float = 0.0):
+        super().__init__()
+        self.w1, self.w2 = nn.Linear(8, 16), nn.Linear(16, 8)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x, y):
+        return F.mse_loss(self.w2(self.drop(F.gelu(self.w1(x)))), y)
+
+
+def _megatron(mesh):
+    return spmd.LayoutMap({r"w1\.weight": Layout(["model", U], mesh), r"w1\.bias": Layout(["model"], mesh),
+                           r"w2\.weight": Layout([U, "model"], mesh)})
+
+
+def _setup(mesh, make_opt, dropout=0.0, zero_grad_first=False):
+    torch.manual_seed(0)
+    model = _MLP(dropout)
+    spmd.distribute_module(model, mesh, _megatron(mesh) if "model" in mesh.dim_names else spmd.LayoutMap({}))
+    opt = make_opt(model.parameters())
+
+    def step(x, y):
+        if zero_grad_first:
+            opt.zero_grad()
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        if not zero_grad_first:
+            opt.zero_grad()
+        return loss
+    return model, opt, step
+
+
+def _batches(mesh, n=5):
+    g = torch.Generator().manual_seed(1)
+    layout = Layout(["batch", U], mesh)
+    return [tuple(spmd.copy_to_mesh(torch.randn(8, 8, generator=g), layout) for _ in range(2)) for _ in range(n)]
+
+
+OPTIMIZERS = {
+    "sgd_momentum": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-2),
+    "adam_foreach": lambda params: torch.optim.Adam(params, lr=1e-2, foreach=True),
+}
+
+
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+def test_a_whole_step_equals_eager_spmd_on_every_component(optimizer):
+    mesh = spmd.create_mesh([("batch", 2), ("model", 2)])
+    model, opt, step = _setup(mesh, OPTIMIZERS[optimizer])
+    ref_model, ref_opt, ref_step = _setup(mesh, OPTIMIZERS[optimizer])
+    whole = spmd.function(step, backend="aot_eager", whole_step=True)
+    for i, (x, y) in enumerate(_batches(mesh)):
+        loss, ref_loss = whole(x, y), ref_step(x, y)
+        assert spmd.fetch_layout(loss) == spmd.fetch_layout(ref_loss)
+        torch.testing.assert_close(gather(loss), gather(ref_loss), rtol=1e-6, atol=1e-7)
+        assert whole.experimental_get_tracing_count() == (0 if i == 0 else 1)  # the first call runs eagerly
+    for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
+        assert spmd.fetch_layout(p) == spmd.fetch_layout(q), name
+        assert p.grad is None and q.grad is None
+        for a, b in zip(components(p), components(q)):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        for key, value in opt.state[p].items():  # the optimizer's state, updated in place
+            if spmd.is_dtensor(value):
+                torch.testing.assert_close(gather(value), gather(ref_opt.state[q][key]), rtol=1e-5, atol=1e-6)
+            else:
+                assert value.item() == ref_opt.state[q][key].item(), key
+
+
+def test_a_whole_step_with_inductor_matches_plain_torch_and_keeps_shared_parameters_one_copy():
+    mesh = spmd.create_mesh([("batch", 4)])
+    model, _, step = _setup(mesh, OPTIMIZERS["adamw"])
+    torch.manual_seed(0)
+    plain = _MLP()
+    plain_opt = OPTIMIZERS["adamw"](plain.parameters())
+    whole = spmd.function(step, whole_step=True)
+    for x, y in _batches(mesh):
+        loss = whole(x, y)
+        ref = plain(gather(x), gather(y))
+        ref.backward()
+        plain_opt.step()
+        plain_opt.zero_grad()
+        torch.testing.assert_close(loss.item(), ref.item(), rtol=1e-5, atol=1e-6)
+    for p, q in zip(model.parameters(), plain.parameters()):
+        assert p._stack.stride(0) == 0  # a replicated parameter stays one copy that every device shares
+        torch.testing.assert_close(gather(p), q.detach(), rtol=1e-5, atol=1e-6)
+    assert whole.experimental_get_tracing_count() == 1
+
+
+def test_the_gradients_a_step_leaves_are_the_parameters_gradients():
+    mesh = spmd.create_mesh([("batch", 2), ("model", 2)])
+    model, _, step = _setup(mesh, OPTIMIZERS["sgd_momentum"], zero_grad_first=True)
+    ref_model, _, ref_step = _setup(mesh, OPTIMIZERS["sgd_momentum"], zero_grad_first=True)
+    whole = spmd.function(step, backend="aot_eager", whole_step=True)
+    for x, y in _batches(mesh, 4):
+        whole(x, y)
+        ref_step(x, y)
+    assert whole.experimental_get_tracing_count() == 1
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        assert spmd.fetch_layout(p.grad) == spmd.fetch_layout(q.grad)
+        torch.testing.assert_close(gather(p.grad), gather(q.grad), rtol=1e-5, atol=1e-6)
+
+
+def test_gradients_accumulated_over_calls_keep_one_trace_per_state():
+    """A step without zero_grad accumulates into the gradients it finds (in place, in the graph); zero_grad between
+    every other call alternates two states, each with its trace."""
+    mesh = spmd.create_mesh([("batch", 2), ("model", 2)])
+    model, opt, _ = _setup(mesh, OPTIMIZERS["sgd_momentum"])
+    ref_model, ref_opt, _ = _setup(mesh, OPTIMIZERS["sgd_momentum"])
+
+    def accumulate(m, o):
+        def step(x, y):
+            loss = m(x, y)
+            loss.backward()
+            return loss
+        return step
+
+    whole = spmd.function(accumulate(model, opt), backend="aot_eager", whole_step=True)
+    ref_step = accumulate(ref_model, ref_opt)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i, (x, y) in enumerate(_batches(mesh, 8)):
+            whole(x, y), ref_step(x, y)
+            for p, q in zip(model.parameters(), ref_model.parameters()):
+                torch.testing.assert_close(gather(p.grad), gather(q.grad), rtol=1e-5, atol=1e-6)
+            if i % 2:
+                for o in (opt, ref_opt):
+                    o.step()
+                    o.zero_grad()
+    assert whole.experimental_get_tracing_count() == 2  # gradients present, and none: one trace each
+    assert len([w for w in caught if "traces the step again" in str(w.message)]) == 1
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        torch.testing.assert_close(gather(p), gather(q), rtol=1e-5, atol=1e-6)
+
+
+def test_explain_lists_the_whole_steps_collectives():
+    """Data parallel: the loss's mean over the batch, and one all-reduce over `batch` per parameter's gradient,
+    in the backward; nothing else (the update runs on each device's replica)."""
+    mesh = spmd.create_mesh([("batch", 4)])
+    model, _, step = _setup(mesh, OPTIMIZERS["sgd_momentum"])
+    x, y = _batches(mesh, 1)[0]
+    whole = spmd.function(step, whole_step=True)
+    before = [components(p) for p in model.parameters()]
+    e = whole.explain(x, y)
+    assert [components(p) for p in model.parameters()] == before  # explaining runs nothing
+    kinds = [(c.kind, c.mesh_dims, c.backward) for c in e.collectives]
+    assert kinds.count(("all_reduce", ("batch",), True)) == 4  # the four parameters' gradients
+    assert [k for k in kinds if k != ("all_reduce", ("batch",), True)] == [("all_reduce", ("batch",), False)]
+    assert whole.experimental_get_tracing_count() == 0
+
+
+def test_a_new_learning_rate_retraces_and_is_applied():
+    mesh = spmd.create_mesh([("batch", 2)])
+    _, opt, step = _setup(mesh, OPTIMIZERS["sgd_momentum"])
+    ref_model, ref_opt, ref_step = _setup(mesh, OPTIMIZERS["sgd_momentum"])
+    model = opt.param_groups[0]["params"][0]  # (any parameter: compared below through the models)
+    whole = spmd.function(step, backend="aot_eager", whole_step=True)
+    batches = _batches(mesh, 6)
+    for x, y in batches[:3]:
+        whole(x, y), ref_step(x, y)
+    with pytest.warns(UserWarning, match="traces the step again"):
+        for o in (opt, ref_opt):
+            o.param_groups[0]["lr"] = 0.01
+        torch.testing.assert_close(gather(whole(*batches[3])), gather(ref_step(*batches[3])))
+    assert whole.experimental_get_tracing_count() == 2
+    torch.testing.assert_close(gather(whole(*batches[4])), gather(ref_step(*batches[4])))
+    assert whole.experimental_get_tracing_count() == 2
+    torch.testing.assert_close(gather(model), gather(ref_opt.param_groups[0]["params"][0]))
+    del ref_model
+
+
+def test_dropout_draws_new_masks_at_every_call():
+    mesh = spmd.create_mesh([("batch", 2)])
+    _, _, step = _setup(mesh, lambda params: torch.optim.SGD(params, lr=0.0), dropout=0.5)
+    whole = spmd.function(step, backend="aot_eager", whole_step=True)
+    x, y = _batches(mesh, 1)[0]
+    losses = [whole(x, y).item() for _ in range(4)]
+    assert whole.experimental_get_tracing_count() == 1
+    assert losses[2] != losses[3]  # lr 0: only the masks differ
+
+
+def test_a_new_argument_layout_is_a_new_signature():
+    mesh = spmd.create_mesh([("batch", 2)])
+    _, _, step = _setup(mesh, OPTIMIZERS["sgd_momentum"])
+    whole = spmd.function(step, backend="aot_eager", whole_step=True)
+    x, y = _batches(mesh, 1)[0]
+    for _ in range(3):
+        whole(x, y)
+    assert whole.experimental_get_tracing_count() == 1
+    replicated = [spmd.relayout(t, Layout.replicated(mesh, 2)) for t in (x, y)]
+    whole(*replicated)  # a new signature's first call: eager
+    assert whole.experimental_get_tracing_count() == 1
+    whole(*replicated)
+    assert whole.experimental_get_tracing_count() == 2
+
+
+def test_reading_a_value_inside_a_whole_step_is_a_trace_error():
+    mesh = spmd.create_mesh([("batch", 2)])
+    model, opt, _ = _setup(mesh, OPTIMIZERS["sgd_momentum"])
+
+    def step(x, y):
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.item()
+
+    whole = spmd.function(step, backend="aot_eager", whole_step=True)
+    x, y = _batches(mesh, 1)[0]
+    whole(x, y)
+    before = [components(p) for p in model.parameters()]
+    with pytest.raises(TraceError, match=r"must not read tensor values"):
+        whole(x, y)
+    assert [components(p) for p in model.parameters()] == before  # a failed trace changes nothing
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_bad_whole_step_arguments_are_refused():
+    mesh = spmd.create_mesh([("batch", 2)])
+    _, _, step = _setup(mesh, OPTIMIZERS["sgd_momentum"])
+    x, y = _batches(mesh, 1)[0]
+    whole = spmd.function(step, backend="aot_eager", whole_step=True)
+    whole(x, y)
+    with pytest.raises(ValueError, match="argument 0 .* requires grad"):
+        whole(x.detach().requires_grad_(), y)
+    plain = nn.Linear(8, 8)
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+
+    def plain_step(x):
+        plain(x).sum().backward()
+        plain_opt.step()
+
+    whole_plain = spmd.function(plain_step, backend="aot_eager", whole_step=True)
+    whole_plain(torch.randn(2, 8))  # the first call runs eagerly: plain torch
+    with pytest.raises(TypeError, match="distribute the module"):
+        whole_plain(torch.randn(2, 8))
+    with pytest.raises(ValueError, match="forbid"):
+        spmd.function(step, whole_step=True, forbid="all_gather")
+
+
+def test_a_module_put_in_eval_mode_retraces():
+    """The training flag is Python the trace ran: dropout off after `model.eval()` needs a new trace."""
+    mesh = spmd.create_mesh([("batch", 2)])
+    model, _, step = _setup(mesh, lambda params: torch.optim.SGD(params, lr=0.0), dropout=0.5)
+    whole = spmd.function(step, backend="aot_eager", whole_step=True)
+    x, y = _batches(mesh, 1)[0]
+    for _ in range(3):
+        whole(x, y)
+    model.eval()
+    with pytest.warns(UserWarning, match="training flags"):
+        loss = whole(x, y)
+    assert whole.experimental_get_tracing_count() == 2
+    torch.testing.assert_close(loss.item(), model(x, y).item())
+
+
+def test_a_method_of_a_module_is_a_step_over_its_own_parameters():
+    mesh = spmd.create_mesh([("batch", 2)])
+
+    class Trainer(_MLP):
+        def __init__(self):
+            super().__init__()
+            self.opt = None
+
+        def step(self, x, y):
+            loss = self(x, y)
+            loss.backward()
+            self.opt.step()
+            self.opt.zero_grad()
+            return loss
+
+    def make():
+        torch.manual_seed(0)
+        t = Trainer()
+        spmd.distribute_module(t, mesh)
+        t.opt = OPTIMIZERS["adamw"](t.parameters())
+        return t
+
+    trainer, ref = make(), make()
+    whole = spmd.function(trainer.step, backend="aot_eager", whole_step=True)
+    for x, y in _batches(mesh, 4):
+        torch.testing.assert_close(gather(whole(x, y)), gather(ref.step(x, y)), rtol=1e-6, atol=1e-7)
+    assert whole.experimental_get_tracing_count() == 1
+    for p, q in zip(trainer.parameters(), ref.parameters()):
+        torch.testing.assert_close(gather(p), gather(q), rtol=1e-5, atol=1e-6)
