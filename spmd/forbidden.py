@@ -4,13 +4,15 @@ Layouts are meant to make a program's communication explicit; a layout that sile
 performance bug that no value check catches. With `forbid`, each trace's forward graph is first run op by op on
 fake components (every rule decides, nothing computes), and a collective of a forbidden kind is a `TraceError`
 naming the op, the line of the user's function it comes from, and — where the collective only exists because one
-value is constrained to two layouts — both constraints' lines.
+value is constrained to two layouts — both constraints' lines. A whole step (spmd/whole_step.py) is checked while
+it is traced (`Forbidding`).
 """
 
 from __future__ import annotations
 
 import os
 import pathlib
+import traceback
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -19,7 +21,7 @@ from spmd.collectives import Kind
 from spmd.dtensor import pending_dtensors
 from spmd.engine import dispatch
 from spmd.errors import TraceError
-from spmd.explain import Recorder
+from spmd.explain import RESULT, Recorder
 from spmd.ops import parse_layout
 
 _RELAYOUT = torch.ops.spmd.relayout.default
@@ -49,6 +51,34 @@ def check_forbidden(gm: torch.fx.GraphModule, example_inputs, kinds: frozenset, 
             watcher.run(*inputs)
     except _Forbidden as e:  # raised afresh: fx's interpreter annotates exceptions that pass through it
         raise TraceError(e.message) from None
+
+
+class Forbidding(Recorder):
+    """Records what a whole step traced with `make_fx` runs (spmd/whole_step.py), and refuses as it happens a
+    collective of `kinds` outside autograd's backward (in the step's forward or its update), naming the user's
+    line that runs it."""
+
+    def __init__(self, kinds: frozenset, name: str):
+        super().__init__()
+        self.kinds, self.name = kinds, name
+
+    def collective(self, kind, mesh_dims, local) -> None:
+        super().collective(kind, mesh_dims, local)
+        c = self.explanation.collectives[-1]
+        if c.kind in self.kinds and not c.backward:
+            returning = self._open and self._open[-1][0] == RESULT
+            where = "as the step returns its result" if returning else f"at {_caller_line()}"
+            raise TraceError(f"spmd.function({self.name}, whole_step=True): {c.kind} over mesh dim(s) "
+                             f"{list(c.mesh_dims)} ({c.bytes:,} B per device) {where}, but "
+                             f"forbid={sorted(k.value for k in self.kinds)}. Change the layouts so that the op needs "
+                             "no communication, or allow this kind of collective.")
+
+
+def _caller_line() -> str:
+    """The innermost frame of the running code outside spmd and torch (and the code they generate)."""
+    library = (_PACKAGE[1:], f"{pathlib.Path(torch.__file__).parent}{os.sep}", "<string>", "<eval_with_key>")
+    frame = next((f for f in reversed(traceback.extract_stack()) if not f.filename.startswith(library)), None)
+    return "an unknown line" if frame is None else f'File "{frame.filename}", line {frame.lineno}: {frame.line}'
 
 
 class _Forbidden(Exception):

@@ -60,7 +60,7 @@ def function(fn: Callable | None = None, *, backend: str | Callable = "inductor"
         mesh of the DTensor arguments; larger ones raise `TypeError` (convert them with `copy_to_mesh`).
       forbid: collective kinds the function's forward must not run (`"all_gather"`, `"all_to_all"`, ..., or
         `"all"`): a trace that would is a `TraceError` naming the op and its line (and, for a value constrained
-        to two layouts, both constraints' lines).
+        to two layouts, both constraints' lines). A whole step's forward and update must not run them.
       whole_step: trace a training step (forward, `backward()`, the optimizer's update) into one graph over the
         components, as `tf.function` does, rather than the graphs between torch.compile's breaks; its Python runs
         when traced only. See spmd/whole_step.py and docs/function.md.
@@ -107,10 +107,7 @@ class Function:
                                        dynamic=dynamic, options={"guard_filter_fn": _needed_guards})
         self._whole_step = None
         if whole_step:
-            if self._forbid:
-                raise ValueError(f"spmd.function({self.__name__!r}): forbid= does not apply to whole_step=True yet; "
-                                 "check the step's collectives with .explain(...) instead")
-            self._whole_step = WholeStep(fn, self._body, self.__name__, self._compile, MAX_TRACES)
+            self._whole_step = WholeStep(fn, self._body, self.__name__, self._compile, MAX_TRACES, self._forbid)
 
     def __call__(self, *args, **kwargs):
         args, kwargs = self._broadcast(args, kwargs)

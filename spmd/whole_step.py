@@ -13,9 +13,10 @@ call no DTensor op is dispatched and no guard runs but one comparison of the sta
 
 The contract is tf.function's: the step's Python runs when it is traced. A signature's first call runs eagerly (it
 creates the optimizer's state); its second is traced. It is traced again when the arguments' layouts, shapes or
-dtypes, the state's tensors, the modules' structure or training flags, or the optimizers' settings (a new learning
-rate) differ from the trace's. Tensors it reads that are neither arguments nor state are captured as constants, as
-are Python values. Its results are detached: its backward ran inside.
+dtypes, the state's tensors, the modules' structure or training flags, or the optimizers' float settings (a new
+learning rate) differ from the trace's; a tensor setting (`lr=torch.tensor(...)`, which a schedule fills) is an
+input. Tensors it reads that are neither arguments nor state are captured as constants, as are Python values. Its
+results are detached: its backward ran inside.
 """
 
 from __future__ import annotations
@@ -32,9 +33,12 @@ from torch import nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from spmd.collectives.local import one_copy, share, shared
-from spmd.dtensor import DTensor
+from spmd import explain
+from spmd.dtensor import DTensor, pending_dtensors
+from spmd.engine import dispatch
 from spmd.errors import TraceError
 from spmd.explain import Explanation, Recorder
+from spmd.forbidden import Forbidding
 
 
 # -- the state a step uses -------------------------------------------------------------------------------------------
@@ -117,6 +121,10 @@ class _State:
                 state = o.state.get(p)
                 for key, t in (state or {}).items():
                     yield state, key, t
+            for group in o.param_groups:  # a tensor setting (lr=torch.tensor(...)): an input, which a schedule fills
+                for key, t in group.items():
+                    if key != "params":
+                        yield group, key, t
 
     def grads(self) -> list:
         return list(map(_GRAD, self.params))
@@ -138,7 +146,7 @@ class _State:
                 tuple(_plain_key(holder.get(k)) for holder, k in self.slots),
                 tuple((m.training, *map(id, m._parameters.values()), *map(id, m._buffers.values()),
                        *map(id, m._modules.values())) for m in self.submodules),  # (a replaced submodule too)
-                tuple((tuple(map(id, g["params"])), *((k, v) for k, v in g.items() if k != "params"))
+                tuple((tuple(map(id, g["params"])), *((k, _setting(v)) for k, v in g.items() if k != "params"))
                       for o in self.optimizers for g in o.param_groups),
                 tuple(len(o.state) for o in self.optimizers),
                 tuple(None if g is None else (g._key, g._stack.stride()) for g in self.grads()))
@@ -146,6 +154,12 @@ class _State:
 
 def _plain_key(t) -> tuple | None:
     return (t.shape, t.dtype, t.device, t.stride()) if isinstance(t, torch.Tensor) else None
+
+
+def _setting(value):
+    """An optimizer setting as a trace assumes it: a Python value itself (baked into the graph), a tensor by its
+    metadata (a graph input: its value is read at each call)."""
+    return _plain_key(value) if isinstance(value, torch.Tensor) else value
 
 
 # -- the components a graph takes and gives ---------------------------------------------------------------------------
@@ -259,8 +273,10 @@ _KEEP = object()  # a gradient the step leaves as it was (or updates in place)
 class WholeStep:
     """The whole-step traces of one `spmd.function` (see the module's docstring)."""
 
-    def __init__(self, fn: Callable, body: Callable, name: str, compile_graph: Callable, max_traces: int):
+    def __init__(self, fn: Callable, body: Callable, name: str, compile_graph: Callable, max_traces: int,
+                 forbid: frozenset = frozenset()):
         self._fn, self._body, self._name, self._compile, self._max = fn, body, name, compile_graph, max_traces
+        self._forbid = forbid
         self._traces: dict[tuple, tuple[_State, dict]] = {}  # signature -> (its last trace's state, key -> trace)
         self._seen: set = set()  # signatures whose first call ran eagerly
         self.count = 0  # traces made
@@ -280,9 +296,9 @@ class WholeStep:
             if traces:
                 warnings.warn(f"spmd.function({self._name}, whole_step=True) traces the step again (trace "
                               f"{self.count + 1}): the state it updates, its modules' structure or training flags, "
-                              "or an optimizer's settings (a learning rate) differ from its earlier traces'. A "
-                              "setting that changes at every step retraces at every step: leave whole_step off for "
-                              "it", stacklevel=3)
+                              "or an optimizer's settings (a learning rate) differ from its earlier traces'. For a "
+                              "learning-rate schedule give the optimizer a tensor lr (lr=torch.tensor(...)): it is "
+                              "then an input of the graph", stacklevel=3)
             trace = self._trace(leaves, spec)
             traces[trace.state_key] = trace
         self._traces[signature] = (trace.state, traces)
@@ -304,7 +320,8 @@ class WholeStep:
 
     # -- tracing ----------------------------------------------------------------------------------------------------
     def _trace(self, leaves: list, spec) -> _Trace:
-        state, gm, inputs, outputs = self._graph(leaves, spec)
+        with Forbidding(self._forbid, self._name) if self._forbid else contextlib.nullcontext():
+            state, gm, inputs, outputs = self._graph(leaves, spec)
         self.count += 1
         return _Trace(state, state.key(), self._compile(gm, inputs), outputs)
 
@@ -379,6 +396,11 @@ class WholeStep:
     def _outputs(state: _State, components, out, outputs: dict) -> tuple:
         """The graph's outputs: the results, the state the step rebound, the parameters' new gradients; and in
         `outputs` what each is."""
+        for t in pending_dtensors(out):  # resolved as the step returns them: explain's "(result)" rows
+            if explain.RECORDERS:
+                explain.RECORDERS[-1].result(t, dispatch.resolve, backward=False)
+            else:
+                dispatch.resolve(t)
         leaves, outputs["results_spec"] = pytree.tree_flatten(out)
         flat, results = [], []
         for r in leaves:

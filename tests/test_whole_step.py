@@ -255,8 +255,6 @@ def test_bad_whole_step_arguments_are_refused():
     whole_plain(torch.randn(2, 8))  # the first call runs eagerly: plain torch
     with pytest.raises(TypeError, match="distribute the module"):
         whole_plain(torch.randn(2, 8))
-    with pytest.raises(ValueError, match="forbid"):
-        spmd.function(step, whole_step=True, forbid="all_gather")
 
 
 def test_a_module_put_in_eval_mode_retraces():
@@ -303,3 +301,73 @@ def test_a_method_of_a_module_is_a_step_over_its_own_parameters():
     assert whole.experimental_get_tracing_count() == 1
     for p, q in zip(trainer.parameters(), ref.parameters()):
         torch.testing.assert_close(gather(p), gather(q), rtol=1e-5, atol=1e-6)
+
+
+def test_a_tensor_learning_rate_is_an_input_that_a_schedule_fills():
+    """As with torch.compile: a tensor lr (filled in place by a schedule) is read at every call, with no retrace."""
+    mesh = spmd.create_mesh([("batch", 2), ("model", 2)])
+
+    def make():
+        model, opt, step = _setup(mesh, lambda params: torch.optim.AdamW(params, lr=torch.tensor(1e-2)))
+        return model, step, torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0 / (1 + i))
+
+    (model, step, schedule), (ref_model, ref_step, ref_schedule) = make(), make()
+    whole = spmd.function(step, backend="aot_eager", whole_step=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for x, y in _batches(mesh):
+            torch.testing.assert_close(gather(whole(x, y)), gather(ref_step(x, y)), rtol=1e-6, atol=1e-7)
+            schedule.step(), ref_schedule.step()
+    assert whole.experimental_get_tracing_count() == 1
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        torch.testing.assert_close(gather(p), gather(q), rtol=1e-5, atol=1e-6)
+
+
+def test_clipping_gradients_inside_a_whole_step():
+    mesh = spmd.create_mesh([("batch", 2), ("model", 2)])
+
+    def make():
+        model, opt, _ = _setup(mesh, OPTIMIZERS["adamw"])
+
+        def step(x, y):
+            loss = model(x, y)
+            loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            opt.step()
+            opt.zero_grad()
+            return loss, norm
+        return model, step
+
+    (model, step), (ref_model, ref_step) = make(), make()
+    whole = spmd.function(step, backend="aot_eager", whole_step=True)
+    for x, y in _batches(mesh):
+        (loss, norm), (ref_loss, ref_norm) = whole(x, y), ref_step(x, y)
+        torch.testing.assert_close(gather(loss), gather(ref_loss), rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(gather(norm), gather(ref_norm), rtol=1e-5, atol=1e-7)
+    assert whole.experimental_get_tracing_count() == 1
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        torch.testing.assert_close(gather(p), gather(q), rtol=1e-5, atol=1e-6)
+
+
+def test_forbid_refuses_a_collective_of_the_steps_forward_and_names_its_line():
+    """The backward's all-reduces (data-parallel gradients) are not the forward's: forbid does not cover them."""
+    mesh = spmd.create_mesh([("batch", 2), ("model", 2)])
+    model, _, step = _setup(mesh, OPTIMIZERS["sgd_momentum"])
+    x, y = _batches(mesh, 1)[0]
+    allowed = spmd.function(step, backend="aot_eager", whole_step=True, forbid=["all_gather", "all_to_all"])
+    for _ in range(3):
+        allowed(x, y)
+    assert allowed.experimental_get_tracing_count() == 1
+    refused = spmd.function(step, backend="aot_eager", whole_step=True, forbid="all_reduce")
+    refused(x, y)  # the first call runs eagerly
+    before = [components(p) for p in model.parameters()]
+    with pytest.raises(TraceError, match=r"all_reduce over mesh dim\(s\) \['model'\] .* at File .*test_whole_step"
+                                         r".*F\.mse_loss.*forbid=\['all_reduce'\]"):  # the row-parallel sum
+        refused(x, y)
+    assert [components(p) for p in model.parameters()] == before
+    dp_mesh = spmd.create_mesh([("batch", 2)])
+    _, _, dp_step = _setup(dp_mesh, OPTIMIZERS["sgd_momentum"])
+    refused = spmd.function(dp_step, backend="aot_eager", whole_step=True, forbid="all_reduce")
+    refused(*_batches(dp_mesh, 1)[0])
+    with pytest.raises(TraceError, match=r"\['batch'\] \(4 B per device\) as the step returns its result"):
+        refused(*_batches(dp_mesh, 1)[0])  # the loss's mean over the batch
