@@ -371,3 +371,28 @@ def test_forbid_refuses_a_collective_of_the_steps_forward_and_names_its_line():
     refused(*_batches(dp_mesh, 1)[0])
     with pytest.raises(TraceError, match=r"\['batch'\] \(4 B per device\) as the step returns its result"):
         refused(*_batches(dp_mesh, 1)[0])  # the loss's mean over the batch
+
+
+def test_autocast_inside_a_whole_step():
+    mesh = spmd.create_mesh([("batch", 2), ("model", 2)])
+
+    def make():
+        model, opt, _ = _setup(mesh, OPTIMIZERS["adamw"])
+
+        def step(x, y):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+        return model, step
+
+    (model, step), (ref_model, ref_step) = make(), make()
+    whole = spmd.function(step, backend="aot_eager", whole_step=True)
+    for x, y in _batches(mesh):
+        torch.testing.assert_close(gather(whole(x, y)), gather(ref_step(x, y)), rtol=1e-6, atol=1e-7)
+    assert whole.experimental_get_tracing_count() == 1
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        assert p.dtype == torch.float32
+        torch.testing.assert_close(gather(p), gather(q), rtol=1e-5, atol=1e-6)
