@@ -32,7 +32,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from spmd.collectives.local import one_copy, share, shared
+from spmd.collectives.local import share, shared
 from spmd import explain
 from spmd.dtensor import DTensor, pending_dtensors
 from spmd.engine import dispatch
@@ -142,14 +142,14 @@ class _State:
         """What a trace assumes of the state (its components are read at each call): each tensor's layout, shape,
         dtype and strides, the modules' structure and training flags, the optimizers' settings, and each gradient's
         presence and layout."""
-        return (tuple((t._key, t._stack.stride()) for t in self.dtensors),
+        return (tuple(map(_dtensor_key, self.dtensors)),
                 tuple(_plain_key(holder.get(k)) for holder, k in self.slots),
                 tuple((m.training, *map(id, m._parameters.values()), *map(id, m._buffers.values()),
                        *map(id, m._modules.values())) for m in self.submodules),  # (a replaced submodule too)
                 tuple((tuple(map(id, g["params"])), *((k, _setting(v)) for k, v in g.items() if k != "params"))
                       for o in self.optimizers for g in o.param_groups),
                 tuple(len(o.state) for o in self.optimizers),
-                tuple(None if g is None else (g._key, g._stack.stride()) for g in self.grads()))
+                tuple(None if g is None else _dtensor_key(g) for g in self.grads()))
 
 
 def _plain_key(t) -> tuple | None:
@@ -170,8 +170,14 @@ def _component(t: DTensor) -> torch.Tensor:
     return t._inner
 
 
-def _install(t: DTensor, inner: torch.Tensor, sharers: int | None) -> None:
-    t._stack = share(inner, sharers) if sharers else inner
+def _restacked(inner: torch.Tensor, sharers: int | None) -> torch.Tensor:
+    """The stack a graph's component stands for: itself, or the one copy that `sharers` devices share."""
+    return share(inner, sharers) if sharers else inner
+
+
+def _dtensor_key(t: DTensor) -> tuple:
+    """What a graph assumes of a DTensor it takes: layout, shape, dtype (and pending reduction), stack strides."""
+    return t._key, t._stack.stride()
 
 
 def _sharers(t: DTensor) -> int | None:
@@ -186,7 +192,7 @@ def _own(result: torch.Tensor) -> torch.Tensor:
 
 def _rebuilt(inner: torch.Tensor, meta) -> DTensor:
     layout, shape, strides, sharers = meta
-    return DTensor(share(inner, sharers) if sharers else inner, layout, shape, strides=strides)
+    return DTensor(_restacked(inner, sharers), layout, shape, strides=strides)
 
 
 def _meta(t: DTensor) -> tuple:
@@ -256,7 +262,7 @@ class _Trace:
                    else meta for kind, meta in self.results]
         for target, sharers in self.rebinds:
             if isinstance(target, DTensor):
-                target._settle(share(next(outs), sharers) if sharers else next(outs))
+                target._settle(_restacked(next(outs), sharers))
             else:
                 holder, k = target
                 holder[k] = next(outs)
@@ -378,16 +384,16 @@ class WholeStep:
         """Puts the traced components in place of the state's and builds the arguments around them."""
         it = iter(zip(components, sharers))
         for t in state.dtensors:
-            _install(t, *next(it))
+            t._stack = _restacked(*next(it))
         for holder, k in state.slots:
             holder[k] = next(it)[0]
         for p in state.graded:
-            _install(p.grad, *next(it))
+            p.grad._stack = _restacked(*next(it))
         traced = []
         for t in leaves:
             if isinstance(t, DTensor):
                 inner, n = next(it)
-                traced.append(DTensor(share(inner, n) if n else inner, t._layout, tuple(t.shape), strides=t.stride()))
+                traced.append(DTensor(_restacked(inner, n), t._layout, tuple(t.shape), strides=t.stride()))
             else:
                 traced.append(next(it)[0] if isinstance(t, torch.Tensor) else t)
         return _unflatten(traced, spec)
@@ -414,12 +420,10 @@ class WholeStep:
                 results.append(("value", r))
         outputs["results"], outputs["rebinds"], outputs["grads"] = results, [], []
         given = iter(components)
-        for t in state.dtensors:
-            mine = next(given)
-            if t._pending:
-                t._local
-            if t._stack is not mine and one_copy(t._stack) is not mine:
-                flat.append(_component(t))
+        for t, mine in zip(state.dtensors, given):
+            now = _component(t)
+            if now is not mine:  # rebound, not updated in place
+                flat.append(now)
                 outputs["rebinds"].append((t, _sharers(t)))
         for holder, k in state.slots:
             if holder.get(k) is not next(given):
@@ -431,7 +435,7 @@ class WholeStep:
         entry = {id(g): mine for g, mine in zip(state.entry_grads, given)}
         for p in state.params:
             g = p.grad
-            if g is not None and id(g) in entry and entry[id(g)] in (g._stack, one_copy(g._stack)):
+            if g is not None and id(g) in entry and _component(g) is entry[id(g)]:
                 outputs["grads"].append(_KEEP)  # the gradient it came with, updated in place
             elif g is None:
                 outputs["grads"].append(None)
@@ -472,7 +476,7 @@ def _leaf_key(t) -> Any:
     """What a trace assumes of one argument: a DTensor's layout, shape, dtype and stack strides; a tensor's
     metadata; a Python value itself (by identity when it cannot be hashed)."""
     if isinstance(t, DTensor):
-        return t._key, t._stack.stride()
+        return _dtensor_key(t)
     if isinstance(t, torch.Tensor):
         return type(t), t.shape, t.dtype, t.device, t.stride()
     try:
