@@ -11,7 +11,7 @@ import torch.nn as nn
 import spmd
 from spmd import UNSHARDED as U, Layout
 from spmd.collectives.local import shared
-from sweep import check_replicas, components, gather, issued
+from sweep import check_op, check_replicas, components, gather, issued, rand
 
 
 @pytest.fixture
@@ -190,3 +190,42 @@ def test_a_shared_gradient_coerced_to_a_traced_per_device_tangent_stays_per_devi
     assert coerced.is_contiguous() and not shared(coerced._stack)
     assert coerced.__tensor_flatten__()[1] == traced.__tensor_flatten__()[1]
     torch.testing.assert_close(gather(coerced), torch.ones(4, 4))
+
+
+@pytest.mark.parametrize("kind", ["mm", "addmm"])
+def test_products_on_a_3d_mesh_match_torch_in_every_component(kind):
+    """Every layout pair of a matrix product on a 2×2×2 in-process mesh, whose products fold the devices into rows,
+    side-by-side products and the contracted axis (see `folded_mm`): values, gradients, replicas."""
+    mesh = spmd.create_mesh([("a", 2), ("b", 2), ("c", 2)])
+    x, w, bias = rand(4, 8, seed=1), rand(8, 4, seed=2), rand(4, seed=3)
+    if kind == "mm":
+        assert check_op(torch.mm, [x, w], mesh=mesh) == 13 * 13
+    else:
+        assert check_op(torch.addmm, [bias, x, w], mesh=mesh, sample=60) > 50  # (drawn, duplicates dropped)
+
+
+def test_a_megatron_mlp_on_batch_x_model_runs_the_one_device_products():
+    """batch 4 × model 2: each matrix product of the forward and backward is the 1-device step's product (the
+    batch's devices are its rows; the model's are two products side by side, or the contracted axis), not eight
+    small products; the collectives are the layouts' (one forward all-reduce over `model`, the weight gradients'
+    over `batch`); every component as torch computes it."""
+    mesh = spmd.create_mesh([("batch", 4), ("model", 2)])
+    torch.manual_seed(0)
+    x, w1, w2 = torch.randn(16, 8), torch.randn(8, 12), torch.randn(12, 8)
+    dx = spmd.copy_to_mesh(x, Layout(["batch", U], mesh))
+    d1 = spmd.copy_to_mesh(w1, Layout([U, "model"], mesh)).requires_grad_()
+    d2 = spmd.copy_to_mesh(w2, Layout(["model", U], mesh)).requires_grad_()
+    with torch.profiler.profile(record_shapes=True) as prof:
+        loss, forward = issued(lambda: (torch.relu(dx @ d1) @ d2).square().mean())
+        _, backward = issued(loss.backward)
+    assert forward == [("all_reduce", ("model",))]
+    assert backward == [("all_reduce", ("batch",))] * 3  # the loss's mean, then each weight's gradient
+    products = [e.input_shapes for e in prof.events() if e.name in ("aten::mm", "aten::bmm")]
+    assert products and all(shapes[0][0] in (1, 2) or len(shapes[0]) == 2 for shapes in products), products
+    ref = [t.clone().requires_grad_() for t in (w1, w2)]
+    want = (torch.relu(x @ ref[0]) @ ref[1]).square().mean()
+    want.backward()
+    torch.testing.assert_close(gather(loss), want)
+    for got, r in zip((d1, d2), ref):
+        torch.testing.assert_close(gather(got.grad), r.grad)
+        check_replicas(got.grad)

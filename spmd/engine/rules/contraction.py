@@ -12,6 +12,8 @@ like a contraction.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from spmd.collectives.local import one_copy, shared, spread, traced
@@ -81,13 +83,70 @@ def summed_product(call: OpCall, equation: str, reduced: tuple):
     return product
 
 
+def folded_mm(call: OpCall, a_axes: tuple, b_axes: tuple):
+    """For a mesh whose devices all live in this process: `(a, b) -> stacked products` of the matrices `a` (L, M, K)
+    and `b` (L, K, N) with the devices folded into the product's own dimensions, where `stacked_mm` would run one
+    small product per device. Per mesh dim: its devices are rows of one product where only `a` is sharded over it
+    (data parallel's batch: `b` is the same on each), products side by side that read `a` once where only `b` is
+    (a weight's columns), summed inside the product where both are (the contracted axis: the output's pending sum
+    is then `same`, as with `summed_product`), and one product where neither is. None where `stacked_mm` does as
+    well (at most one mesh dim of several devices and nothing summed) or where this does not apply (see
+    `summed_product`)."""
+    mesh = call.mesh
+    grid = tuple(mesh.shape())
+    if call.multi_axis or not mesh.is_fully_local() or a_axes[1] != b_axes[0]:
+        return None
+    names = mesh.dim_names
+    rows, columns, contracted = ([i for i in range(len(grid)) if names[i] == m] for m in (a_axes[0], b_axes[1],
+                                                                                         a_axes[1]))
+    several = [i for i, n in enumerate(grid) if n > 1]
+    summed = any(i in contracted for i in several)
+    if not summed and (len(several) < 2 or not any(i in rows + columns for i in several)):
+        return None
+    in_a, in_b = rows + contracted, columns + contracted
+    kept_a = tuple(slice(None) if i in in_a else 0 for i in range(len(grid)))
+    kept_b = tuple(slice(None) if i in in_b else 0 for i in range(len(grid)))
+    order_a = _positions(sorted(in_a), rows, contracted)  # (rows..., m, contracted..., k)
+    order_b = _positions(sorted(in_b), columns, contracted)  # (columns..., contracted..., k, n)
+    order_a = order_a[:len(rows)] + [len(in_a)] + order_a[len(rows):] + [len(in_a) + 1]
+    order_b += [len(in_b), len(in_b) + 1]
+    placed = sorted(rows + columns)
+    order_out = _positions(columns + rows, placed, []) + [len(placed), len(placed) + 1]
+    size = lambda axes: math.prod(grid[i] for i in axes)  # noqa: E731
+    sizes = tuple(n if i in placed else 1 for i, n in enumerate(grid))
+
+    def product(a, b):
+        (n, m, k), cols = a.shape, b.shape[-1]
+        r, kt, c = size(rows) * m, size(contracted) * k, size(columns)
+        a2 = a.reshape(grid + (m, k))[kept_a].permute(order_a).reshape(r, kt)
+        b3 = b.reshape(grid + (k, cols))[kept_b].permute(order_b).reshape(c, kt, cols)
+        out = torch.bmm(a2.expand(c, r, kt), b3) if c > 1 else torch.mm(a2, b3[0])
+        part = out.reshape(tuple(grid[i] for i in columns + rows) + (m, cols)).permute(order_out)
+        return spread(part.reshape(sizes + (m, cols)), grid, (n, m, cols))
+
+    return product
+
+
+def _positions(present: list, *groups: list) -> list:
+    """The positions in `present` of the mesh dims of `groups`, one group after another."""
+    return [present.index(i) for group in groups for i in group]
+
+
 def _contraction(call: OpCall, equation: str, product) -> Decision:
     specs = call.specs
     required, out_axes, reduced = einsum_axes(equation, [s.axes for s in specs])
-    summed = summed_product(call, equation, reduced)
+    summed = _summed(call, equation, required, reduced)
     run = summed or product
     return Decision(tuple(required), (out_axes,), lambda locals_, args, kwargs: run(*locals_),
-                    reduce=(reduced,) if reduced else (), reduce_op="same" if summed else "sum")
+                    reduce=(reduced,) if reduced else (), reduce_op="same" if summed and reduced else "sum")
+
+
+def _summed(call: OpCall, equation: str, required: list, reduced: tuple):
+    """The in-process product that folds the devices into one product (matrix products), or sums the contracted
+    mesh dims inside it (other contractions); None where neither applies."""
+    if equation == "mk,kn->mn":
+        return folded_mm(call, *required)
+    return summed_product(call, equation, reduced)
 
 
 def stacked_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -185,9 +244,9 @@ def addmm_rule(call: OpCall) -> Decision:
     equation, local_product = _PRODUCTS[call.func]
     bias, a, b = call.specs
     required, out_axes, reduced = einsum_axes(equation, [a.axes, b.axes])
-    summed = summed_product(call, equation, reduced)
+    summed = _summed(call, equation, required, reduced)
     local_product = summed or local_product
-    reduce_op = "same" if summed else "sum"
+    reduce_op = "same" if summed and reduced else "sum"
     terms, out = equation.split("->")
     sizes = {label: size for term, s in zip(terms.split(","), (a, b)) for label, size in zip(term, s.shape)}
     out_shape = tuple(sizes[label] for label in out)
