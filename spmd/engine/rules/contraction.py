@@ -120,7 +120,9 @@ def folded_mm(call: OpCall, a_axes: tuple, b_axes: tuple):
         r, kt, c = size(rows) * m, size(contracted) * k, size(columns)
         a2 = a.reshape(grid + (m, k))[kept_a].permute(order_a).reshape(r, kt)
         b3 = b.reshape(grid + (k, cols))[kept_b].permute(order_b).reshape(c, kt, cols)
-        out = torch.bmm(a2.expand(c, r, kt), b3) if c > 1 else torch.mm(a2, b3[0])
+        # (a graph traced for the CPU takes the batched product for one product too, see `stacked_mm`)
+        one = c == 1 and not (traced(a) and a.device.type == "cpu")
+        out = torch.mm(a2, b3[0]) if one else torch.bmm(a2.expand(c, r, kt), b3)
         part = out.reshape(tuple(grid[i] for i in columns + rows) + (m, cols)).permute(order_out)
         return spread(part.reshape(sizes + (m, cols)), grid, (n, m, cols))
 
