@@ -14,10 +14,12 @@ usage: python benchmarks/bench_function.py [--quick] [--steps N] [--reps R] [--o
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import os
 import statistics
 import sys
+import tempfile
 import time
 import types
 
@@ -129,6 +131,17 @@ def build(variant: str, case):
     return step, [(spmd.copy_to_mesh(x, layout), spmd.copy_to_mesh(y, layout)) for x, y in data]
 
 
+def cold_inductor_cache(directory: str):
+    """Inductor's caches empty and on disk in `directory`: each variant's first call compiles from nothing,
+    whatever ran before it in this process or on this machine (kernels compiled earlier would otherwise be reused
+    and its compile time would depend on the order of the variants and on earlier runs)."""
+    try:
+        from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
+    except ImportError:  # (an older torch: its caches stay as they are)
+        return contextlib.nullcontext()
+    return temporary_cache_dir(directory)
+
+
 def loss_value(loss) -> float:
     return spmd.to_global(loss).item() if spmd.is_dtensor(loss) else loss.item()
 
@@ -137,12 +150,16 @@ def measure(case, steps: int, reps: int) -> dict:
     """Each variant's first call (compile time) and losses, then its step time: the variants timed in turn, one
     repetition each per round, so that the machine's drift reaches all of them alike."""
     out, built = {}, {}
+    with tempfile.TemporaryDirectory(prefix="spmd-bench-inductor-") as cache, cold_inductor_cache(cache):
+        # inductor's one-time start (imports, compile workers), which the first variant would otherwise pay
+        torch.compile(lambda x: (x * 2).sin())(torch.randn(4))
     for variant in VARIANTS:
         step, data = build(variant, case)
-        start = time.perf_counter()
-        # compiles the compiled variants (a whole step on its second call: the first runs eagerly)
-        losses = [loss_value(step(*data[i])) for i in range(2 if variant.endswith("whole") else 1)]
-        compile_s = time.perf_counter() - start
+        with tempfile.TemporaryDirectory(prefix="spmd-bench-inductor-") as cache, cold_inductor_cache(cache):
+            start = time.perf_counter()
+            # compiles the compiled variants (a whole step on its second call: the first runs eagerly)
+            losses = [loss_value(step(*data[i])) for i in range(2 if variant.endswith("whole") else 1)]
+            compile_s = time.perf_counter() - start
         losses += [loss_value(step(*data[i % len(data)])) for i in range(len(losses), 4)]
         built[variant] = step, data
         out[variant] = {"runs": [], "first_call_s": compile_s, "losses": losses}
@@ -163,7 +180,8 @@ def measure(case, steps: int, reps: int) -> dict:
 
 def caption(data: dict) -> str:
     return (f"{data['environment']}; median of {data['reps']} repetitions of {data['steps']} steps; "
-            "variants timed in turn; `benchmarks/bench_function.py`.")
+            "variants timed in turn; each variant's first call compiles with inductor's caches empty; "
+            "`benchmarks/bench_function.py`.")
 
 
 def readme_table(data: dict) -> str:
