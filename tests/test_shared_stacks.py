@@ -229,3 +229,45 @@ def test_a_megatron_mlp_on_batch_x_model_runs_the_one_device_products():
     for got, r in zip((d1, d2), ref):
         torch.testing.assert_close(gather(got.grad), r.grad)
         check_replicas(got.grad)
+
+
+def test_a_traced_step_folds_large_products_and_equals_eager(monkeypatch):
+    """In a traced graph matrix products fold from `FOLD_IN_GRAPHS_FROM` multiply-adds per device (lowered here to
+    fold the small ones): the graph's products are the 1-device step's, and the updated weights equal eager spmd's."""
+    from spmd.engine.rules import contraction
+    monkeypatch.setattr(contraction, "FOLD_IN_GRAPHS_FROM", 0)
+    mesh = spmd.create_mesh([("batch", 4), ("model", 2)])
+    torch.manual_seed(0)
+    x, w1, w2 = torch.randn(16, 8), torch.randn(8, 12), torch.randn(12, 8)
+    dx = spmd.copy_to_mesh(x, Layout(["batch", U], mesh))
+
+    def weights():
+        return [spmd.DVariable(w1, layout=Layout([U, "model"], mesh)),
+                spmd.DVariable(w2, layout=Layout(["model", U], mesh))]
+
+    def make_step(ws):
+        def step(x):
+            loss = (torch.relu(x @ ws[0]) @ ws[1]).square().mean()
+            grads = torch.autograd.grad(loss, ws)
+            with torch.no_grad():
+                for w, g in zip(ws, grads):
+                    w.sub_(g, alpha=0.1)
+            return loss
+        return step
+
+    products = []
+
+    def backend(gm, inputs):
+        products.extend(n.meta["val"].shape for n in gm.graph.nodes if n.target in (
+            torch.ops.aten.mm.default, torch.ops.aten.bmm.default))
+        return gm.forward
+
+    eager, traced = weights(), weights()
+    eager_step, traced_step = make_step(eager), spmd.function(make_step(traced), whole_step=True, backend=backend)
+    for _ in range(3):
+        torch.testing.assert_close(gather(traced_step(dx)), gather(eager_step(dx)))
+    assert traced_step.experimental_get_tracing_count() == 1
+    assert len(products) == 5 and all(len(s) == 2 or s[0] in (1, 2) for s in products), products
+    for got, want in zip(traced, eager):
+        torch.testing.assert_close(gather(got), gather(want))
+        check_replicas(got)
