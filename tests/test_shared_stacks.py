@@ -234,8 +234,10 @@ def test_a_megatron_mlp_on_batch_x_model_runs_the_one_device_products():
 def test_a_traced_step_folds_large_products_and_equals_eager(monkeypatch):
     """In a traced graph matrix products fold from `FOLD_IN_GRAPHS_FROM` multiply-adds per device (lowered here to
     fold the small ones): the graph's products are the 1-device step's, and the updated weights equal eager spmd's."""
+    from spmd.engine import dispatch
     from spmd.engine.rules import contraction
     monkeypatch.setattr(contraction, "FOLD_IN_GRAPHS_FROM", 0)
+    monkeypatch.setattr(dispatch, "_CACHE", {})  # (decisions cached by earlier tests were made with the default)
     mesh = spmd.create_mesh([("batch", 4), ("model", 2)])
     torch.manual_seed(0)
     x, w1, w2 = torch.randn(16, 8), torch.randn(8, 12), torch.randn(12, 8)
