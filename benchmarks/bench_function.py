@@ -131,15 +131,18 @@ def build(variant: str, case):
     return step, [(spmd.copy_to_mesh(x, layout), spmd.copy_to_mesh(y, layout)) for x, y in data]
 
 
-def cold_inductor_cache(directory: str):
-    """Inductor's caches empty and on disk in `directory`: each variant's first call compiles from nothing,
-    whatever ran before it in this process or on this machine (kernels compiled earlier would otherwise be reused
-    and its compile time would depend on the order of the variants and on earlier runs)."""
+@contextlib.contextmanager
+def cold_inductor_cache():
+    """Inductor's caches empty and on disk in a temporary directory: each variant's first call compiles from
+    nothing, whatever ran before it in this process or on this machine (kernels compiled earlier would otherwise be
+    reused and its compile time would depend on the order of the variants and on earlier runs)."""
     try:
         from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
     except ImportError:  # (an older torch: its caches stay as they are)
-        return contextlib.nullcontext()
-    return temporary_cache_dir(directory)
+        yield
+        return
+    with tempfile.TemporaryDirectory(prefix="spmd-bench-inductor-") as directory, temporary_cache_dir(directory):
+        yield
 
 
 def loss_value(loss) -> float:
@@ -150,12 +153,12 @@ def measure(case, steps: int, reps: int) -> dict:
     """Each variant's first call (compile time) and losses, then its step time: the variants timed in turn, one
     repetition each per round, so that the machine's drift reaches all of them alike."""
     out, built = {}, {}
-    with tempfile.TemporaryDirectory(prefix="spmd-bench-inductor-") as cache, cold_inductor_cache(cache):
-        # inductor's one-time start (imports, compile workers), which the first variant would otherwise pay
+    with cold_inductor_cache():  # inductor's one-time start (imports, compile workers), which the first variant
+        # would otherwise pay
         torch.compile(lambda x: (x * 2).sin())(torch.randn(4))
     for variant in VARIANTS:
         step, data = build(variant, case)
-        with tempfile.TemporaryDirectory(prefix="spmd-bench-inductor-") as cache, cold_inductor_cache(cache):
+        with cold_inductor_cache():
             start = time.perf_counter()
             # compiles the compiled variants (a whole step on its second call: the first runs eagerly)
             losses = [loss_value(step(*data[i])) for i in range(2 if variant.endswith("whole") else 1)]

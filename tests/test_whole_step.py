@@ -58,6 +58,13 @@ def _batches(mesh, n=5):
     return [tuple(spmd.copy_to_mesh(torch.randn(8, 8, generator=g), layout) for _ in range(2)) for _ in range(n)]
 
 
+def _assert_traced_once_and_equal(whole, model, ref_model) -> None:
+    """One trace, and every parameter of `model` (stepped by `whole`) equal to `ref_model`'s (stepped eagerly)."""
+    assert whole.experimental_get_tracing_count() == 1
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        torch.testing.assert_close(gather(p), gather(q), rtol=1e-5, atol=1e-6)
+
+
 OPTIMIZERS = {
     "sgd_momentum": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
     "adamw": lambda params: torch.optim.AdamW(params, lr=1e-2),
@@ -298,9 +305,7 @@ def test_a_method_of_a_module_is_a_step_over_its_own_parameters():
     whole = spmd.function(trainer.step, backend="aot_eager", whole_step=True)
     for x, y in _batches(mesh, 4):
         torch.testing.assert_close(gather(whole(x, y)), gather(ref.step(x, y)), rtol=1e-6, atol=1e-7)
-    assert whole.experimental_get_tracing_count() == 1
-    for p, q in zip(trainer.parameters(), ref.parameters()):
-        torch.testing.assert_close(gather(p), gather(q), rtol=1e-5, atol=1e-6)
+    _assert_traced_once_and_equal(whole, trainer, ref)
 
 
 def test_a_tensor_learning_rate_is_an_input_that_a_schedule_fills():
@@ -318,9 +323,7 @@ def test_a_tensor_learning_rate_is_an_input_that_a_schedule_fills():
         for x, y in _batches(mesh):
             torch.testing.assert_close(gather(whole(x, y)), gather(ref_step(x, y)), rtol=1e-6, atol=1e-7)
             schedule.step(), ref_schedule.step()
-    assert whole.experimental_get_tracing_count() == 1
-    for p, q in zip(model.parameters(), ref_model.parameters()):
-        torch.testing.assert_close(gather(p), gather(q), rtol=1e-5, atol=1e-6)
+    _assert_traced_once_and_equal(whole, model, ref_model)
 
 
 def test_clipping_gradients_inside_a_whole_step():
@@ -344,9 +347,7 @@ def test_clipping_gradients_inside_a_whole_step():
         (loss, norm), (ref_loss, ref_norm) = whole(x, y), ref_step(x, y)
         torch.testing.assert_close(gather(loss), gather(ref_loss), rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(gather(norm), gather(ref_norm), rtol=1e-5, atol=1e-7)
-    assert whole.experimental_get_tracing_count() == 1
-    for p, q in zip(model.parameters(), ref_model.parameters()):
-        torch.testing.assert_close(gather(p), gather(q), rtol=1e-5, atol=1e-6)
+    _assert_traced_once_and_equal(whole, model, ref_model)
 
 
 def test_forbid_refuses_a_collective_of_the_steps_forward_and_names_its_line():
@@ -392,7 +393,5 @@ def test_autocast_inside_a_whole_step():
     whole = spmd.function(step, backend="aot_eager", whole_step=True)
     for x, y in _batches(mesh):
         torch.testing.assert_close(gather(whole(x, y)), gather(ref_step(x, y)), rtol=1e-6, atol=1e-7)
-    assert whole.experimental_get_tracing_count() == 1
-    for p, q in zip(model.parameters(), ref_model.parameters()):
-        assert p.dtype == torch.float32
-        torch.testing.assert_close(gather(p), gather(q), rtol=1e-5, atol=1e-6)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    _assert_traced_once_and_equal(whole, model, ref_model)

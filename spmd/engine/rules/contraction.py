@@ -153,14 +153,13 @@ FOLD_IN_GRAPHS_FROM = 1 << 20
 def _summed(call: OpCall, equation: str, required: list, reduced: tuple, product):
     """The in-process product that folds the devices into one product (matrix products), or sums the contracted
     mesh dims inside it (other contractions); None where neither applies. `product`: the per-device product."""
-    summed = summed_product(call, equation, reduced)
     folded = folded_mm(call, *required) if equation == "mk,kn->mn" else None
     if folded is None:
-        return summed
+        return summed_product(call, equation, reduced)
     (a, b), (a_axes, b_axes) = call.specs[-2:], required
     if math.prod(call.local_shape(a, a_axes)) * call.local_shape(b, b_axes)[1] >= FOLD_IN_GRAPHS_FROM:
         return folded
-    unfolded = summed or product
+    unfolded = summed_product(call, equation, reduced) or product
     return lambda a, b: unfolded(a, b) if traced(a) else folded(a, b)
 
 
