@@ -56,6 +56,7 @@ class SpmdSide:
         self.aR, self.bR = cp(A, self.R), cp(B, self.R)
         self.aS0, self.bS0 = cp(A, self.S0), cp(B, self.S0)
         self.aS1 = cp(A, self.S1)
+        self.mS0 = cp(A > 0, self.S0)  # a boolean mask
         self.a_g = spmd.DVariable(A, layout=self.S0)  # a leaf that requires grad
         self.comps = list(spmd.unpack(self.aS0))  # plain components, for pack
         # a pending (partial) sum over 'x', resolved by the in-process all-reduce the dispatcher inserts after
@@ -111,6 +112,9 @@ def op_cases(n: int, A, B, sides: dict[int, SpmdSide], dt) -> list[tuple[str, di
         dt and (lambda: dt["aS0"].t()))
     row("mm S0@R fwd, requires_grad", lambda: torch.mm(a_g, b), lambda s: torch.mm(s.a_g, s.bR),
         lambda s: torch.bmm(L(s.a_g).detach(), L(s.bR)), dt and (lambda: torch.mm(dt["a_g"], dt["bR"])))
+    mask = A > 0
+    row("x[mask] S0 (a replicated result: spmd gathers both, DT raises)", lambda: a[mask],
+        lambda s: s.aS0[s.mS0], lambda s: L(s.aS0).reshape(n, n)[mask], dt and (lambda: dt["aS0"][dt["mS0"]]))
     row("wrap local → DTensor (spmd.pack / DT.from_local no check)", lambda: None,
         lambda s: spmd.pack(s.comps, s.S0), lambda s: None,
         dt and (lambda: dt["DTensor"].from_local(dt["la"], dt["mesh"], dt["S0"], run_check=False)))
@@ -155,7 +159,7 @@ def make_dt(A, B):
     d = dict(mesh=mesh, R=R, S0=S0, S1=S1, DTensor=DTensor,
              aR=distribute_tensor(A, mesh, R), bR=distribute_tensor(B, mesh, R),
              aS0=distribute_tensor(A, mesh, S0), bS0=distribute_tensor(B, mesh, S0),
-             aS1=distribute_tensor(A, mesh, S1),
+             aS1=distribute_tensor(A, mesh, S1), mS0=distribute_tensor(A > 0, mesh, S0),
              P=DTensor.from_local(torch.randn_like(A), mesh, [Partial()], run_check=False))
     d["a_g"] = distribute_tensor(A, mesh, S0).requires_grad_()
     d["la"] = d["aS0"].to_local()
@@ -323,6 +327,8 @@ README_ROWS = (  # (README label, section of ops.json, cases shown as "a / b / c
     ("`add` / `relu` / `sum`", "ops", ("add S0+S0", "relu S0", "sum S0 → scalar (spmd all-reduces, DT → Partial)")),
     ("`view` / `t()`", "ops", ("view S0 → (n, n/2, 2)", "t() S0 → S1")),
     ("`mm` forward with `requires_grad`", "ops", ("mm S0@R fwd, requires_grad",)),
+    ("`x[mask]` (the result's shape depends on the values; torch DT raises)", "ops",
+     ("x[mask] S0 (a replicated result: spmd gathers both, DT raises)",)),
     ("cache miss: first `mm` on a new shape", "cache", ("miss",)),
     ("relayout S0→R / S0→S1 / R→S0", "relayout",
      ("S0 → R (all-gather)", "S0 → S1 (all-to-all)", "R → S0 (local slice)")),

@@ -336,10 +336,14 @@ def _failed_trace(fn, e: Exception) -> Exception:
 def _trace_error(fn, e: Exception) -> TraceError:
     lines = [line for line in str(e).splitlines() if line.strip()]
     where = [line.strip() for line in lines if line.strip().startswith("File ")]
+    if lines[0].startswith("Dynamic shape operator"):
+        fix = (" (an op whose result's shape depends on the values: nonzero, x[mask], masked_select, unique, "
+               "bincount). Call it outside the function, or pass fullgraph=False to run it eagerly between graphs.")
+    else:
+        fix = (". Rewrite that line without Python control flow on tensor values, or pass fullgraph=False to run "
+               "the untraceable part eagerly.")
     return TraceError(f"spmd.function could not trace {getattr(fn, '__qualname__', fn)!r} as one graph: {lines[0]}"
-                      + (f" (at {where[-1]})" if where else "")
-                      + ". Rewrite that line without Python control flow on tensor values, or pass "
-                        "fullgraph=False to run the untraceable part eagerly.")
+                      + (f" (at {where[-1]})" if where else "") + fix)
 
 
 class _Captured(Exception):

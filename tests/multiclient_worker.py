@@ -266,6 +266,24 @@ def comparisons():
     _result(out)
 
 
+def value_shaped():
+    """`x[mask]`, `nonzero`, `unique` of a tensor sharded between the clients: every client holds the whole result
+    (and agrees on its shape); the gradient of `x[mask]` flows back to each client's block."""
+    import torch
+    import spmd
+    from spmd import UNSHARDED as U, Layout
+    spmd.initialize_accelerator_system("CPU", num_logical_cpu_devices=1)
+    mesh = spmd.create_distributed_mesh([("x", 2)])
+    value = torch.tensor([[1., -2.], [-3., 4.], [5., 6.], [-7., -8.]])
+    x = spmd.copy_to_mesh(value, Layout(["x", U], mesh)).requires_grad_()
+    selected = x[x > 0]
+    (selected * selected).sum().backward()
+    _result({"client": spmd.client_id(), "selected": spmd.to_global(selected).tolist(),
+             "nonzero": spmd.to_global(torch.nonzero(x.detach() < 0)).tolist(),
+             "unique": [spmd.to_global(t).tolist() for t in torch.unique(x.detach().abs() > 4, return_counts=True)],
+             "grad": [c.tolist() for c in spmd.unpack(x.grad)]})
+
+
 def compiled_training():
     """The MLP's step compiled (argv: local devices per client, mesh dims as `batch,model`); reports the losses, and
     the torch.distributed collectives in the compiled forward and backward graphs (recorded with aot_eager)."""

@@ -26,13 +26,10 @@ SKIPPED = ({name: "random values" for name in _RANDOM}
 # -- spmd raises UnsupportedOpError or MixedTensorError (op -> phases) ----------------------------------------------
 _FORWARD, _BACKWARD, _BOTH = ("forward",), ("backward",), ("forward", "backward")
 UNSUPPORTED = {
-    # no rule, and torch has no meta kernel to check the call on, or the output's shape depends on values
-    "geqrf": _FORWARD, "masked_select": _FORWARD, "unique": _FORWARD, "unique_consecutive": _FORWARD,
-    "nonzero": _FORWARD, "argwhere": _FORWARD, "histogram": _FORWARD, "histogramdd": _FORWARD,
-    "repeat_interleave": _FORWARD, "linalg.lstsq": _FORWARD, "linalg.lstsq.grad_oriented": _FORWARD,
-    "nn.functional.ctc_loss": _BOTH,
+    # no rule, and torch has no meta kernel to check the call on
+    "geqrf": _FORWARD, "histogram": _FORWARD, "histogramdd": _FORWARD, "linalg.lstsq": _FORWARD,
+    "linalg.lstsq.grad_oriented": _FORWARD, "nn.functional.ctc_loss": _BOTH,
     "nn.functional.multi_margin_loss": _BACKWARD, "nn.functional.multilabel_margin_loss": _BACKWARD,
-    "index_fill": _BACKWARD,  # its backward calls aten._unique
     # backward formulas that run an in-place op (tril_) with no rule
     "ormqr": _BACKWARD, "linalg.householder_product": _BACKWARD,
     # torch makes a plain tensor inside the op (an arange, a 1-element tensor) and mixes it with DTensors: they
@@ -40,7 +37,7 @@ UNSUPPORTED = {
     "combinations": _FORWARD, "__getitem__": _FORWARD, "linalg.matrix_rank": _FORWARD,
     "linalg.matrix_rank.hermitian": _FORWARD, "masked.var": _FORWARD, "masked.std": _FORWARD,
     # backward formulas that write into a plain tensor they made (a zeros for an unused output's gradient)
-    "as_strided": _BACKWARD, "as_strided_copy": _BACKWARD, "index_put": _BACKWARD,
+    "as_strided": _BACKWARD, "as_strided_copy": _BACKWARD,
     # F.linear_cross_entropy and its OpInfos are new after torch 2.11
     **({"nn.functional.linear_cross_entropy.chunked_none": _BACKWARD}
        if hasattr(torch.nn.functional, "linear_cross_entropy") else {}),
@@ -61,7 +58,8 @@ DEFAULT_OPS = [
     "reshape", "view", "permute", "transpose", "expand", "squeeze", "unsqueeze", "flatten", "narrow", "select",
     "chunk", "split", "cat", "stack", "flip", "roll", "repeat", "diagonal", "tril", "triu",
     # indexing
-    "gather", "scatter", "index_select", "index_add", "take_along_dim", "__getitem__",
+    "gather", "scatter", "index_select", "index_add", "take_along_dim", "__getitem__", "nonzero", "masked_select",
+    "unique",
     # contractions and linalg
     "mm", "bmm", "matmul", "einsum", "addmm", "linalg.vector_norm", "linalg.svd", "linalg.det", "linalg.inv",
     "linalg.qr",

@@ -11,7 +11,6 @@ import torch
 import spmd
 from spmd import UNSHARDED as U
 from spmd import Layout
-from spmd.errors import UnsupportedOpError
 from tests.sweep import MESH, issued, check_op, rand
 
 aten = torch.ops.aten
@@ -32,6 +31,44 @@ INDEXING = {
     "index_put accumulate two indices": (lambda x, i, j, v: aten.index_put(x, [i, None, j], v, True),
                                          [rand(4, 6, 4), ROWS, ROWS, rand(2, 2, 6, seed=1)]),
 }
+
+
+def _set_masked(x, m, v, columns=False):
+    y = x.clone()
+    if columns:
+        y[:, m] = v
+    else:
+        y[m] = v
+    return y
+
+
+MASK, ROW_MASK, COLUMN_MASK = rand(4, 6) > 0, rand(4, seed=2) > 0, rand(6, seed=3) > 0
+# `x[mask] = value` of one value: a masked fill, elementwise, in any layout of x and mask (no gather)
+MASKED_FILLS = {
+    "x[mask] = 2": (lambda x, m: _set_masked(x, m, 2.0), [rand(4, 6), MASK]),
+    "x[row mask] = 2": (lambda x, m: _set_masked(x, m, 2.0), [rand(4, 6), ROW_MASK]),
+    "x[:, column mask] = v": (lambda x, m, v: _set_masked(x, m, v, columns=True),
+                              [rand(4, 6), COLUMN_MASK, rand(seed=4)]),
+    "index_put mask, accumulate": (lambda x, m, v: aten.index_put(x, [m], v, True), [rand(4, 6), MASK, rand()]),
+    "x[mask] = one integer": (lambda x, m: _set_masked(x, m, 7), [rand(4, 6, dtype=torch.int64), MASK]),
+}
+
+
+@pytest.mark.parametrize("name", list(MASKED_FILLS))
+def test_masked_fill_by_indexing_matches_torch_for_every_layout(name):
+    fn, inputs = MASKED_FILLS[name]
+    assert check_op(fn, inputs) > 1
+
+
+def test_masked_fill_by_indexing_keeps_the_layouts_and_issues_no_collective():
+    x = spmd.copy_to_mesh(rand(4, 6), Layout(["x", "y"], MESH))
+    for mask in (spmd.copy_to_mesh(MASK, Layout(["x", "y"], MESH)), spmd.copy_to_mesh(MASK, Layout([U, U], MESH))):
+        _, collectives = issued(lambda: x.__setitem__(mask, 0.0))
+        assert collectives == []
+    assert spmd.fetch_layout(x) == Layout(["x", "y"], MESH)
+    want = rand(4, 6)
+    want[MASK] = 0.0
+    assert torch.equal(spmd.to_global(x), want)
 
 
 @pytest.mark.parametrize("name", list(INDEXING))
@@ -148,12 +185,6 @@ def test_in_place_writes_keep_a_sharded_target():
     want[ROWS[0]] += 1
     assert spmd.fetch_layout(x).sharding_specs == ["x", "y"]
     _components_match(x, want)
-
-
-def test_a_boolean_mask_index_is_refused_clearly():
-    x = spmd.copy_to_mesh(rand(4, 6), _layout("x", U))
-    with pytest.raises(UnsupportedOpError, match="boolean mask"):
-        x[x > 0]
 
 
 @pytest.mark.parametrize("op", [torch.cumsum, torch.cumprod, torch.logcumsumexp])

@@ -17,7 +17,8 @@ def test_bench_ops_quick(tmp_path):
     for section in ("ops", "relayout"):
         for name, cols in data[section].items():
             for col, res in cols.items():
-                assert "error" not in res, (section, name, col, res)
+                expected_error = col == "dt" and "DT raises" in name  # (what the row shows of torch DTensor)
+                assert ("error" in res) == expected_error, (section, name, col, res)
     assert data["cache"]["spmd1 miss"]["median"] > 0
 
 

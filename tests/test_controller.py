@@ -194,6 +194,15 @@ def test_composite_ops_that_make_plain_tensors_are_refused_by_name(mesh):
     assert (labels * 2).sum().item() == 12  # the workers are unaffected
 
 
+def test_ops_whose_shape_depends_on_the_values_are_refused_by_name(mesh):
+    """`x[mask]`, `nonzero`: the controller holds no values to shape the result by."""
+    x = spmd.copy_to_mesh(torch.arange(8.) - 3, Layout(["batch"], mesh))
+    for op in (lambda: x[x > 0], lambda: torch.nonzero(x)):
+        with pytest.raises(spmd.UnsupportedOpError, match="single-controller mesh"):
+            op()
+    assert (x * 2).sum().item() == 8.0  # the workers are unaffected
+
+
 def test_function_mode_needs_a_backend_the_workers_can_name(mesh):
     x = spmd.copy_to_mesh(torch.arange(8.), Layout(["batch"], mesh))
     with pytest.raises(Exception, match="name its backend"):

@@ -180,6 +180,14 @@ def test_comparisons_answer_for_the_whole_tensors_on_every_client():
     assert results[0] == results[1] | {"client": 0}
 
 
+def test_ops_whose_shape_depends_on_the_values_give_every_client_the_whole_result():
+    results = launch("value_shaped")
+    for c, r in enumerate(results):
+        assert r["selected"] == [1., 4., 5., 6.] and r["nonzero"] == [[0, 1], [1, 0], [3, 0], [3, 1]], r
+        assert r["unique"] == [[False, True], [4, 4]], r
+        assert r["grad"] == [[[2., 0.], [0., 8.]], [[10., 12.], [0., 0.]]][c:c + 1], r  # each client's block
+
+
 def test_dead_client_fails_fast():
     """A client that exits before a collective: the other gets a CollectiveError naming it and the collective."""
     timeout = 4

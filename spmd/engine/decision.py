@@ -83,8 +83,10 @@ class Decision:
        reduce-scatter when it is relayouted to a layout sharded over them) — at once when there is an epilogue.
     4. `epilogue`: a local step on the reduced outputs (addmm's bias, the mean of a loss).
 
-    `outputs` are the axes of each output (`None` for a non-tensor result). `inplace`: the op mutated input 0 and
-    returns it. `rebinds`: an in-place view op (`squeeze_`): input 0 takes the output's components and layout.
+    `outputs` are the axes of each output (`None` for a non-tensor result); `value_shaped`: their shapes depend on
+    the values (`nonzero`), so the dispatcher reads them off each call's result instead of caching them.
+    `inplace`: the op mutated input 0 and returns it. `rebinds`: an in-place view op (`squeeze_`): input 0 takes
+    the output's components and layout.
     `keeps`: the inputs whose pending sum stays unresolved, because the kernel is linear in them (`a + b` of two
     sums over the same dims is their sum's sum; `reduce` then leaves the output pending) or does not read values
     (`ones_like`). `fixed`: the mesh dims whose coordinates or block sizes the kernel was built for (a vocabulary
@@ -105,6 +107,7 @@ class Decision:
     copies: bool = False  # a view op whose result does not share the input's memory: in-place ops on it are refused
     writes: tuple[int, ...] = ()  # inputs the kernel writes beside an in-place target (a batch norm's running stats)
     fixed: tuple[str, ...] = ()
+    value_shaped: bool = False
 
 
 def is_inplace(func) -> bool:

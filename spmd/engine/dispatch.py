@@ -50,7 +50,7 @@ class _Plan:
         self.out_layouts = out_layouts
         self.out_pending = out_pending  # per output: the mesh dims of the reduction it leaves pending, or None
         self.out_steps = out_steps  # per output: the steps resolving its reduction now (before an epilogue), or None
-        self.out_shapes = None  # the outputs' global shapes, filled by the first execution
+        self.out_shapes = None  # the outputs' global shapes, filled by the first execution (unless value-shaped)
         self.mesh = mesh
         # a view op whose input had to be relayouted: its outputs do not share memory with the input
         self.copied_view = copied_view
@@ -340,7 +340,9 @@ def _wrap(plan: _Plan, out, locals_, args, kwargs):
             return out
         shapes = plan.out_shapes
         if shapes is None:
-            shapes = plan.out_shapes = [layout.global_shape_from_local_shape(out.shape[1:])]
+            shapes = [layout.global_shape_from_local_shape(out.shape[1:])]
+            if not decision.value_shaped:
+                plan.out_shapes = shapes
         return DTensor(out, layout, shapes[0])
     if decision.single:
         out = (out,)
@@ -351,8 +353,10 @@ def _wrap(plan: _Plan, out, locals_, args, kwargs):
         out = decision.epilogue(out, locals_, args, kwargs)
     shapes = plan.out_shapes
     if shapes is None:
-        shapes = plan.out_shapes = [None if l is None else l.global_shape_from_local_shape(o.shape[1:])
-                                    for o, l in zip(out, plan.out_layouts)]
+        shapes = [None if l is None else l.global_shape_from_local_shape(o.shape[1:])
+                  for o, l in zip(out, plan.out_layouts)]
+        if not decision.value_shaped:
+            plan.out_shapes = shapes
     pending = pending or ((),) * len(out)
     wrapped = [o if l is None else DTensor(o, l, s, pending=p, pending_op=plan.reduce_op)
                for o, l, s, p in zip(out, plan.out_layouts, shapes, pending)]

@@ -3,4 +3,4 @@
 
 from spmd.engine.rules import (complex_numbers, contraction, conv, elementwise, fft, host_values,  # noqa: F401
                                indexing, linalg, loss, nn, pointwise, random_ops, ranges, rearrange, reduction, scans,
-                               tensor_ops, view, view_copies, view_scatters, vocab_parallel)
+                               tensor_ops, value_shaped, view, view_copies, view_scatters, vocab_parallel)

@@ -6,6 +6,7 @@ the other axes keep their sharding (`index_fill`, like `index_select` in `view`)
 tensor: `take` reads a replicated tensor at each device's block of indices, so the indices (and the result) stay
 sharded. A masked scatter consumes its source in the order of the whole mask, and `put` and the masked index ops
 write wherever their indices point: their operands are replicated, and each device computes its (whole) component.
+Indexing by a boolean mask (`x[mask]`) makes a result as long as the mask has true entries: see value_shaped.py.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from spmd.engine.rules.common import (broadcast_view, generic_kernel, norm_dim, 
                                      zero_d_as_one_element)
 from spmd.engine.rules.pointwise import aligned_inputs, broadcast_shape, is_inplace, merge_axes
 from spmd.engine.rules.reduction import arg
+from spmd.engine.rules.value_shaped import value_shaped_rule
 
 aten = torch.ops.aten
 
@@ -85,12 +87,12 @@ class _Advanced(NamedTuple):
         return self.out_axes(self_shape, self.shape)
 
 
+def _masked(indices) -> bool:
+    return any(t is not None and t.dtype in _MASKS for t in indices)
+
+
 def _advanced(call: OpCall, spec: TensorSpec, indices) -> _Advanced:
     entries = [(i, t) for i, t in enumerate(indices) if t is not None]
-    if any(t.dtype in _MASKS for _, t in entries):
-        raise unsupported(call, "a boolean mask index selects as many elements as it has true entries (nonzero), "
-                                "a shape that depends on its values; index with torch.nonzero(mask) made "
-                                "replicated, or use torch.where / masked_fill")
     indexed = tuple(i for i, _ in entries)
     kept = tuple(i for i in range(spec.rank) if i not in indexed)
     adjacent = indexed == tuple(range(indexed[0], indexed[-1] + 1))
@@ -135,6 +137,8 @@ def index_rule(call: OpCall) -> Decision:
     axes follow the index tensors'. Each device indexes its own component: the stack axis is one more advanced
     index, and the indexed axes moved to the front make torch put the new axes first, then where torch would."""
     spec, indices = call.specs[0], call.args[1]
+    if _masked(indices):  # as many elements as the masks have true entries
+        return value_shaped_rule(call)
     adv = _advanced(call, spec, indices)
     self_axes = tuple(None if i in adv.indexed else m for i, m in enumerate(spec.axes))
     new_axes = _index_axes(call, adv, indices, {m for m in self_axes if m is not None})
@@ -160,8 +164,8 @@ def index_put_rule(call: OpCall) -> Decision:
     is a pending sum over them (duplicate indices add, as in torch)."""
     spec, indices = call.specs[0], call.args[1]
     inplace = is_inplace(call.func)
-    if any(t is not None and t.dtype in _MASKS for t in indices):
-        return _masked_put(call, inplace)
+    if _masked(indices):
+        return _masked_fill(call, inplace) or _masked_put(call, inplace)
     adv = _advanced(call, spec, indices)
     accumulate = bool(arg(call, "accumulate", False))
     summed = accumulate and not inplace and spec.dtype is not torch.bool
@@ -199,6 +203,33 @@ def index_put_rule(call: OpCall) -> Decision:
         return target.copy_(written) if inplace else written.contiguous()
     return Decision((spec.axes,) + index_axes + value_axes, (spec.axes,), kernel, inplace=inplace,
                     reduce=(sums,) if sums else ())
+
+
+def _masked_fill(call: OpCall, inplace: bool) -> Decision | None:
+    """`self[mask] = value` (or `+=`, with `accumulate`) of one value (0-d), where the mask addresses whole axes of
+    `self` (`x[x < 0] = 0`, `x[:, rows] = 1`): `masked_fill`, elementwise, so `self` keeps any layout and the mask
+    takes the sharding of the axes it covers. None for other masked puts."""
+    spec, indices, values = call.specs[0], call.args[1], call.args[2]
+    entries = [(i, t) for i, t in enumerate(indices) if t is not None]
+    one_value = (isinstance(values, TensorSpec) and values.rank == 0) or (
+        isinstance(values, torch.Tensor) and values.dim() == 0)
+    accumulate = bool(arg(call, "accumulate", False))
+    if len(entries) != 1 or not one_value or (accumulate and spec.dtype is torch.bool):
+        return None
+    start, mask = entries[0]
+    if mask.dtype is not torch.bool or mask.shape != spec.shape[start:start + mask.rank]:
+        return None  # (uint8 masks, a mask that does not fit: torch's own kernel decides)
+    before, after = (1,) * start, (1,) * (spec.rank - start - mask.rank)
+
+    def kernel(locals_, args, kwargs):
+        x, m = locals_[0], locals_[1]
+        m = m.view(m.shape[:1] + before + m.shape[1:] + after)
+        v = (locals_[2].view((-1,) + (1,) * spec.rank) if len(locals_) > 2 else args[2]).to(x.dtype)
+        out = x + torch.where(m, v, 0) if accumulate else torch.where(m, v, x)
+        return x.copy_(out) if inplace else out
+    value_axes = ((),) if isinstance(values, TensorSpec) else ()
+    return Decision((spec.axes, spec.axes[start:start + mask.rank]) + value_axes, (spec.axes,), kernel,
+                    inplace=inplace)
 
 
 def _masked_put(call: OpCall, inplace: bool) -> Decision:
