@@ -78,6 +78,19 @@ def test_sharded_operands_are_gathered_and_nothing_else():
     assert spmd.fetch_layout(out) == Layout([U, U], MESH)
 
 
+def test_gathering_sharded_operands_is_warned_about_once_per_op(monkeypatch):
+    monkeypatch.setattr(dispatch, "_GATHERED", set())
+    monkeypatch.setattr(dispatch, "_CACHE", {})  # (plans made by the tests before warned then)
+    x = spmd.copy_to_mesh(rand(4, 4), Layout(["x", U], MESH))
+    with pytest.warns(UserWarning, match="masked_select.*gathered on every device"):
+        torch.masked_select(x, x > 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torch.masked_select(x * 2, x > 1)  # another cache key: no second warning
+        replicated = spmd.copy_to_mesh(rand(4, 4), Layout([U, U], MESH))
+        torch.nonzero(replicated)  # nothing gathered: no warning
+
+
 def test_result_is_computed_once_for_the_devices_of_this_process():
     x = spmd.copy_to_mesh(rand(4, 4), Layout(["x", U], MESH))
     out = x[x > 0]
