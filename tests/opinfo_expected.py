@@ -32,12 +32,10 @@ UNSUPPORTED = {
     "nn.functional.multi_margin_loss": _BACKWARD, "nn.functional.multilabel_margin_loss": _BACKWARD,
     # backward formulas that run an in-place op (tril_) with no rule
     "ormqr": _BACKWARD, "linalg.householder_product": _BACKWARD,
-    # torch makes a plain tensor inside the op (an arange, a 1-element tensor) and mixes it with DTensors: they
-    # work under spmd.implicit_replication() (derivative formulas need no scope)
-    "combinations": _FORWARD, "__getitem__": _FORWARD, "linalg.matrix_rank": _FORWARD,
-    "linalg.matrix_rank.hermitian": _FORWARD, "masked.var": _FORWARD, "masked.std": _FORWARD,
-    # backward formulas that write into a plain tensor they made (a zeros for an unused output's gradient)
-    "as_strided": _BACKWARD, "as_strided_copy": _BACKWARD,
+    # torch makes a plain tensor inside the op (a float, or an integer tensor of 20 elements or more: smaller ones
+    # are taken as replicated, as in TF DTensor) and mixes it with DTensors: they work under
+    # spmd.implicit_replication() (derivative formulas need no scope)
+    "combinations": _FORWARD, "linalg.matrix_rank": _FORWARD, "linalg.matrix_rank.hermitian": _FORWARD,
     # F.linear_cross_entropy and its OpInfos are new after torch 2.11
     **({"nn.functional.linear_cross_entropy.chunked_none": _BACKWARD}
        if hasattr(torch.nn.functional, "linear_cross_entropy") else {}),

@@ -419,6 +419,22 @@ def test_plain_tensor_is_rejected():
         a + torch.ones(4, 4, dtype=torch.float64)
 
 
+def test_small_integer_tensors_broadcast_as_replicated_as_in_tf():
+    """TF DTensor's rule: plain int32/int64 tensors of fewer than 20 elements (indices, shapes) are replicated;
+    larger ones, and floating ones, are mixed tensors."""
+    value = rand(4, 6)
+    a = distribute(value, spmd.Layout(["x", "y"], MESH)).requires_grad_()
+    for index in ([0, 2], torch.tensor([3, 1]), torch.tensor([[1], [0]], dtype=torch.int32)):
+        assert torch.equal(gather(a[index]), value[index])
+    columns = torch.tensor([0, 4])
+    (torch.index_select(a, 1, columns) * 3).sum().backward()
+    assert torch.equal(gather(a.grad), torch.zeros(4, 6).index_fill(1, columns, 3).double())
+    with pytest.raises(spmd.MixedTensorError, match="fewer than 20"):
+        a[torch.arange(20) % 4]
+    with pytest.raises(spmd.MixedTensorError, match=r"shape \[6\]"):
+        torch.add(a, torch.ones(6, dtype=torch.float64))
+
+
 def test_scalars_broadcast():
     x = rand(4, 4)
     a = distribute(x, spmd.Layout(["x", "y"], MESH))

@@ -81,6 +81,10 @@ def _unique_index() -> torch.Tensor:
     return torch.tensor([[1, 0], [0, 3], [2, 2], [3, 1]])  # per row a permutation of some columns
 
 
+def _replicated(t):
+    return spmd.relayout(t, Layout.replicated(MESH, t.dim())) if spmd.is_dtensor(t) else t
+
+
 def _ix(*values) -> Const:
     """An index tensor swept over its layouts too."""
     return Const(torch.tensor(values))
@@ -89,6 +93,11 @@ def _ix(*values) -> Const:
 INDEXING = {
     "index_copy": (lambda x, i, s: x.index_copy(1, i, s), [rand(4, 4), _ix(3, 0), rand(4, 2, seed=1)]),
     "index_copy_0d_source": (lambda x, i, s: x.index_copy(0, i, s), [rand(4), Const(torch.tensor(2)), rand(seed=1)]),
+    # in place into a replicated target (index_select's gradient with plain indices, as_strided's)
+    "index_add_": (lambda x, i, s: x + _replicated(x.new_zeros(4, 4)).index_add_(1, i, s),
+                   [rand(4, 4), _ix(3, 0), rand(4, 2, seed=1)]),
+    "index_copy_": (lambda x, i, s: x * _replicated(x.new_ones(4, 4)).index_copy_(0, i, s),
+                    [rand(4, 4), _ix(3, 0), rand(2, 4, seed=1)]),
     "index_fill": (lambda x, i: x.index_fill(0, i, -1.0), [rand(4, 4), _ix(1, 2)]),
     # the value's own gradient needs `_unique` (data-dependent, no rule): the value is not differentiated
     "index_fill_tensor": (lambda x, i, v: x.index_fill(1, i, v), [rand(4, 4), _ix(0), Const(rand(seed=1))]),

@@ -88,9 +88,22 @@ def _sig(a, tensors, blind=False):
 
 def mixed_tensor_error(plain: torch.Tensor) -> MixedTensorError:
     return MixedTensorError(
-        f"a plain torch.Tensor of shape {list(plain.shape)} was mixed with DTensors; only Python scalars and 0-d "
-        "tensors are broadcast automatically. Distribute it first: spmd.copy_to_mesh(tensor, layout); where torch "
-        "made it inside an op's own implementation, run the op under spmd.implicit_replication()")
+        f"a plain torch.Tensor of shape {list(plain.shape)} was mixed with DTensors; only Python scalars, 0-d "
+        f"tensors and integer tensors of fewer than {SMALL_INTEGER_TENSOR} elements are broadcast automatically. "
+        "Distribute it first: spmd.copy_to_mesh(tensor, layout); where torch made it inside an op's own "
+        "implementation, run the op under spmd.implicit_replication()")
+
+
+# TF DTensor's rule: plain integer tensors of fewer elements than this (indices, shapes, axes: `x[[0, 2]]`) are
+# broadcast to DTensors as replicated; any other plain tensor of rank > 0 is an error
+SMALL_INTEGER_TENSOR = 20
+
+
+def _small_integers(args, kwargs) -> bool:
+    """Whether every plain tensor of rank > 0 among the arguments is a small integer tensor (see above)."""
+    return all(t.dtype in (torch.int32, torch.int64) and t.numel() < SMALL_INTEGER_TENSOR
+               for t in pytree.tree_leaves((args, kwargs))
+               if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) and t.dim() > 0)
 
 
 def dispatch(func, args=(), kwargs=None):
@@ -129,7 +142,7 @@ def torch_dispatch(cls, func, types, args=(), kwargs=None):
     except MixedTensorError:
         if func is torch.ops.aten.copy_.default and isinstance(args[0], DTensor):
             return _copy_from_plain(func, args, kwargs)
-        if not _replicates_plain():
+        if not (_replicates_plain() or _small_integers(args, kwargs)):
             raise
         if _writes_plain(func, args):
             raise MixedTensorError(f"{func} writes into a plain tensor of shape {list(args[0].shape)} with DTensor "

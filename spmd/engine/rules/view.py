@@ -17,7 +17,7 @@ import torch
 
 from spmd.dtensor import dense_strides
 from spmd.engine.registry import lookup, register
-from spmd.engine.decision import Decision, OpCall, TensorSpec, unsupported
+from spmd.engine.decision import Decision, OpCall, TensorSpec, is_inplace, unsupported
 from spmd.engine.rules.common import generic_kernel, norm_dim, shard_starts, zero_d_as_one_element
 from spmd.engine.rules.reduction import arg, arg_index
 from spmd.layout import axis_dims
@@ -479,19 +479,23 @@ def index_select_rule(call: OpCall) -> Decision:
                     lambda l, a, k: l[0].index_select(dim + 1, l[1][0].reshape(-1)))
 
 
-@register(aten.index_add.default, aten.index_copy.default, aten.index_reduce.default)
+@register(aten.index_add.default, aten.index_copy.default, aten.index_reduce.default, aten.index_add_.default,
+          aten.index_copy_.default, aten.index_reduce_.default)
 @zero_d_as_one_element
 def index_add_rule(call: OpCall) -> Decision:
     """index_select's gradient (and its siblings index_copy, index_reduce): rows of `source` added (copied,
     reduced) at replicated indices along `dim`, which is whole on each device; other axes are sharded alike in
-    self and source (their sizes agree; a 0-d source of a one-element index is one element on every device)."""
+    self and source (their sizes agree; a 0-d source of a one-element index is one element on every device).
+    In place, self keeps its layout (`dim` must be whole in it) and source takes it."""
     self_, index, source = call.specs
     dim = norm_dim(arg(call, "dim"), self_.rank)
-    axes = _merged([self_, source], skip=dim)
+    inplace = is_inplace(call.func)
+    axes = tuple(None if i == dim else m for i, m in enumerate(self_.axes)) if inplace else \
+        _merged([self_, source], skip=dim)
     source_axes = axes if source.rank == self_.rank else ()
     as_rows = (call.num_local,) + (1,) * self_.rank
 
     def kernel(locals_, args, kwargs):
         rows = locals_[2] if source.rank == self_.rank else locals_[2].view(as_rows)
         return call.func(locals_[0], dim + 1, locals_[1][0].reshape(-1), rows, *args[4:], **kwargs)
-    return Decision((axes, (None,) * index.rank, source_axes), (axes,), kernel)
+    return Decision((axes, (None,) * index.rank, source_axes), (axes,), kernel, inplace=inplace)
