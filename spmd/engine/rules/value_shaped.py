@@ -38,12 +38,10 @@ def value_shaped_rule(call: OpCall) -> Decision:
                                 "and run it on the controller")
     ranks = _output_ranks(call)
     local = generic_kernel(call.func)
-    n = call.num_local
     single = len(call.func._schema.returns) == 1
 
     def on_every_device(out: torch.Tensor) -> torch.Tensor:
-        one = out.unsqueeze(0)
-        return one if n == 1 else share(one, n)
+        return share(out.unsqueeze(0), call.num_local)
 
     def kernel(locals_, args, kwargs):
         if any(traced(x) for x in locals_):  # Dynamo breaks the graph here (the rules take no symbolic sizes)
