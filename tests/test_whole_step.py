@@ -308,12 +308,17 @@ def test_a_method_of_a_module_is_a_step_over_its_own_parameters():
     _assert_traced_once_and_equal(whole, trainer, ref)
 
 
-def test_a_tensor_learning_rate_is_an_input_that_a_schedule_fills():
+@pytest.mark.parametrize("optimizer", [
+    lambda params: torch.optim.AdamW(params, lr=torch.tensor(1e-2)),
+    # SGD's for-loop reads the tensor as a number: the step takes its multi-tensor update
+    lambda params: torch.optim.SGD(params, lr=torch.tensor(0.1), momentum=0.9, foreach=False),
+], ids=["adamw", "sgd"])
+def test_a_tensor_learning_rate_is_an_input_that_a_schedule_fills(optimizer):
     """As with torch.compile: a tensor lr (filled in place by a schedule) is read at every call, with no retrace."""
     mesh = spmd.create_mesh([("batch", 2), ("model", 2)])
 
     def make():
-        model, opt, step = _setup(mesh, lambda params: torch.optim.AdamW(params, lr=torch.tensor(1e-2)))
+        model, opt, step = _setup(mesh, optimizer)
         return model, step, torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0 / (1 + i))
 
     (model, step, schedule), (ref_model, ref_step, ref_schedule) = make(), make()

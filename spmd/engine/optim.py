@@ -45,7 +45,8 @@ def let_torch_optim_take(*types) -> None:
         for name, function in list(vars(module).items()):
             if name.startswith("_single_tensor_") and inspect.isfunction(function) \
                     and not hasattr(function, "_spmd_loop"):
-                setattr(module, name, _loop_on_stacks(function))
+                setattr(module, name, _loop_on_stacks(function, _TRACEABLE_WITH_A_TENSOR_LR.get(name) and
+                                                      getattr(module, _TRACEABLE_WITH_A_TENSOR_LR[name])))
         if getattr(module, "_default_to_fused_or_foreach", None) is optimizer._default_to_fused_or_foreach:
             module._default_to_fused_or_foreach = _default_path
 
@@ -93,12 +94,20 @@ def _default_path(params, differentiable: bool, use_fused: bool = False) -> tupl
     return fused, foreach
 
 
-def _loop_on_stacks(loop):
+# SGD's for-loop reads a tensor learning rate as a Python number (`alpha=-lr`), which a traced graph cannot; its
+# multi-tensor update multiplies by the tensor instead, the same arithmetic (one product, one sum per element)
+_TRACEABLE_WITH_A_TENSOR_LR = {"_single_tensor_sgd": "_multi_tensor_sgd"}
+
+
+def _loop_on_stacks(loop, traceable=None):
     """torch's for-loop update `loop`, called with the stacked components in place of the leading tensor lists
     (parameters, gradients, state) where they line up; as it is otherwise, while Dynamo traces it, and while autograd
-    records (`differentiable=True`, which SGD's loop is not told)."""
+    records (`differentiable=True`, which SGD's loop is not told). While traced with a tensor learning rate,
+    `traceable` (the multi-tensor update) runs in its place where the loop could not be traced."""
     @functools.wraps(loop)
     def on_stacks(*args, **kwargs):
+        if traceable and isinstance(kwargs.get("lr"), torch.Tensor) and torch.compiler.is_compiling():
+            return traceable(*args, **kwargs)
         if not (torch.is_grad_enabled() or torch.compiler.is_compiling()):
             n = next((i for i, a in enumerate(args) if not isinstance(a, list)), len(args))
             stacks = _stacked(list(args[:n]), fused=False) if n else None
