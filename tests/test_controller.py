@@ -194,13 +194,20 @@ def test_composite_ops_that_make_plain_tensors_are_refused_by_name(mesh):
     assert (labels * 2).sum().item() == 12  # the workers are unaffected
 
 
-def test_ops_whose_shape_depends_on_the_values_are_refused_by_name(mesh):
-    """`x[mask]`, `nonzero`: the controller holds no values to shape the result by."""
-    x = spmd.copy_to_mesh(torch.arange(8.) - 3, Layout(["batch"], mesh))
-    for op in (lambda: x[x > 0], lambda: torch.nonzero(x)):
-        with pytest.raises(spmd.UnsupportedOpError, match="single-controller mesh"):
-            op()
-    assert (x * 2).sum().item() == 8.0  # the workers are unaffected
+def test_ops_whose_shape_depends_on_the_values_run_on_the_workers(mesh):
+    """`x[mask]`, `nonzero`, `unique`: the controller holds no values, so the workers run the op and tell it the
+    results' shapes; gradients flow back through them."""
+    x = spmd.copy_to_mesh(torch.arange(8.) - 3, Layout(["batch"], mesh)).requires_grad_()
+    positive = x[x > 0]
+    assert positive.shape == (4,) and spmd.fetch_layout(positive).sharding_specs == [U]
+    assert spmd.to_global(positive).tolist() == [1., 2., 3., 4.]
+    (positive * positive).sum().backward()
+    assert spmd.to_global(x.grad).tolist() == [0., 0., 0., 0., 2., 4., 6., 8.]
+    values, counts = torch.unique(spmd.copy_to_mesh(torch.tensor([1, 3, 1, 2]), Layout(["batch"], mesh)),
+                                  return_counts=True)
+    assert spmd.to_global(values).tolist() == [1, 2, 3] and spmd.to_global(counts).tolist() == [2, 1, 1]
+    where = torch.nonzero(x.detach() < 0)
+    assert where.shape == (3, 1) and (where * 2).sum().item() == 6  # the results are usable, on the workers
 
 
 def test_function_mode_needs_a_backend_the_workers_can_name(mesh):

@@ -1,7 +1,8 @@
 """The session: what the controller keeps about its workers' DTensors, and how data and ops reach them.
 
 - An op on controller DTensors runs spmd's engine on the shadows, gives each new output a handle, and is sent to
-  every worker without waiting (the same engine runs it there on the real components).
+  every worker without waiting (the same engine runs it there on the real components). An op whose results' shapes
+  depend on the values (`x[mask]`) runs on the workers first, and they tell the shapes.
 - Real components built on the controller (`copy_to_mesh`, factories, `pack`) are adopted: each worker gets the
   rows of its own devices (a replicated value travels once per worker), and the controller keeps a shadow.
 - Reads (`_local`, `.item()`) flush and gather; a worker's stored failure is raised there as `WorkerError`.
@@ -21,6 +22,7 @@ from spmd.controller.errors import ControllerError, WorkerDiedError, WorkerError
 from spmd.controller.remote import ControllerMesh, RemoteDTensor, remote_class, shadow
 from spmd.dtensor import DTensor
 from spmd.engine import dispatch
+from spmd.engine.rules.value_shaped import shaped_by_values
 from spmd.layout import Layout
 from spmd.ops import parse_layout
 
@@ -167,6 +169,8 @@ class Session:
             return self._read(func, args, kwargs)
         if func is _DETACH and not args[0]._pending:  # (autograd detaches every gradient it stores)
             return self._alias(args[0])
+        if shaped_by_values(func, args):
+            return self._shaped_by_values(func, args, kwargs)
         with shadow():
             out = shadow_cache.run(func, args, kwargs)
             handles = self._adopt_outputs(out, args, kwargs)
@@ -175,6 +179,26 @@ class Session:
             args = (args[0], protocol.LayoutString(self._mesh_of(layout).mesh_id, tuple(layout.sharding_specs)))
         self.send((protocol.OP, protocol.op_name(func), self.encode(args), self.encode(kwargs), handles))
         return out
+
+    def _shaped_by_values(self, func, args, kwargs):
+        """An op whose results' shapes depend on the values (`x[mask]`, `nonzero`): the workers run it, and tell
+        the shapes of its results (replicated: every worker holds the same)."""
+        inputs = _leaves((args, kwargs))
+        for t in inputs:
+            if t._pending:
+                with shadow():
+                    dispatch.resolve(t)  # as the workers do, so the shadow keeps their state
+        handles = self.reserve(len(func._schema.returns))
+        self.send((protocol.OP, protocol.op_name(func), self.encode(args), self.encode(kwargs), handles))
+        n = inputs[0]._layout.mesh.num_local_devices()
+        outs = []
+        with shadow():
+            for handle, (shape, dtype) in zip(handles, self.call("shapes", handles)[0]):
+                stack = torch.empty(shape, dtype=dtype, device="meta").expand((n,) + shape)
+                outs.append(DTensor.__new__(RemoteDTensor, stack, Layout.replicated(inputs[0]._layout.mesh,
+                                                                                     len(shape)), shape))
+                self.bind(outs[-1], handle)
+        return outs[0] if len(outs) == 1 else tuple(outs)
 
     def _alias(self, t: RemoteDTensor) -> RemoteDTensor:
         """`t.detach()`: a controller object for the same worker-side DTensor (its handle), nothing sent; the

@@ -146,6 +146,10 @@ class WorkerState:
     def _stack(self, t: DTensor) -> torch.Tensor:
         return t._local.detach().cpu()
 
+    def _shapes(self, handles) -> list:
+        """The global shapes and dtypes of these DTensors (the results of an op shaped by the values)."""
+        return [(tuple(self.table[h].shape), self.table[h].dtype) for h in handles]
+
     def _item(self, name, args, kwargs):
         return dispatch.dispatch(protocol.resolve_op(name), args, kwargs)
 
@@ -179,8 +183,8 @@ class WorkerState:
 _RUN = {protocol.OP: WorkerState._op, protocol.PUT: WorkerState._put, protocol.MESH: WorkerState._mesh,
         protocol.ITER: WorkerState._iter, protocol.BATCH: WorkerState._batch, protocol.GRAPH: WorkerState._graph,
         protocol.RUN_GRAPH: WorkerState._run_graph, protocol.GRAPH_BACKWARD: WorkerState._graph_backward}
-_CALLS = {"stack": WorkerState._stack, "item": WorkerState._item, "info": WorkerState._info,
-          "dataset": WorkerState._dataset, "next_batch": WorkerState._next_batch,
+_CALLS = {"stack": WorkerState._stack, "shapes": WorkerState._shapes, "item": WorkerState._item,
+          "info": WorkerState._info, "dataset": WorkerState._dataset, "next_batch": WorkerState._next_batch,
           "checkpoint_save": WorkerState._checkpoint_save, "checkpoint_load": WorkerState._checkpoint_load,
           "graph_results": WorkerState._graph_results}
 

@@ -22,7 +22,7 @@ from spmd.engine.rules.common import (broadcast_view, generic_kernel, norm_dim, 
                                      zero_d_as_one_element)
 from spmd.engine.rules.pointwise import aligned_inputs, broadcast_shape, is_inplace, merge_axes
 from spmd.engine.rules.reduction import arg
-from spmd.engine.rules.value_shaped import value_shaped_rule
+from spmd.engine.rules.value_shaped import MASKS, value_shaped_rule
 
 aten = torch.ops.aten
 
@@ -68,8 +68,6 @@ def whole_rule(call: OpCall) -> Decision:
 
 # -- advanced indexing: self[indices], self[indices] = values ---------------------------------------------------------
 
-_MASKS = (torch.bool, torch.uint8)
-
 
 class _Advanced(NamedTuple):
     """Where `self[indices]` puts its axes (torch's rule): the index tensors broadcast to `shape`, new axes that
@@ -88,7 +86,7 @@ class _Advanced(NamedTuple):
 
 
 def _masked(indices) -> bool:
-    return any(t is not None and t.dtype in _MASKS for t in indices)
+    return any(t is not None and t.dtype in MASKS for t in indices)
 
 
 def _advanced(call: OpCall, spec: TensorSpec, indices) -> _Advanced:

@@ -8,7 +8,8 @@ made replicated (an all-gather of each sharded one, which `explain` lists) and e
 result, replicated — once for all the devices of this process. Every client of a multi-client mesh computes it from
 the same values, so all agree on its shape. The outputs' shapes are read off each call's result, never cached.
 A graph that `spmd.function` traces breaks at these ops, as torch.compile's graphs do at them on plain tensors: they
-run eagerly between two compiled graphs.
+run eagerly between two compiled graphs. A single-controller mesh's session runs them on its workers, which tell it
+the results' shapes (`shaped_by_values` names them).
 """
 
 from __future__ import annotations
@@ -24,18 +25,24 @@ from spmd.engine.registry import register
 from spmd.engine.rules.common import generic_kernel, replace_tensors
 
 aten = torch.ops.aten
+_OPS = (aten.nonzero.default, aten.masked_select.default, aten._unique.default, aten._unique2.default,
+        aten.unique_consecutive.default, aten.unique_dim.default, aten.bincount.default, aten.repeat_interleave.Tensor)
+MASKS = (torch.bool, torch.uint8)
 
 
-@register(aten.nonzero.default, aten.masked_select.default, aten._unique.default, aten._unique2.default,
-          aten.unique_consecutive.default, aten.unique_dim.default, aten.bincount.default,
-          aten.repeat_interleave.Tensor)
+def shaped_by_values(func, args) -> bool:
+    """Whether `func(*args)` is one of these ops: its results' shapes depend on the values."""
+    return func in _OPS or (func is aten.index.Tensor and any(
+        isinstance(t, torch.Tensor) and t.dtype in MASKS for t in args[1]))
+
+
+@register(*_OPS)
 def value_shaped_rule(call: OpCall) -> Decision:
     """Operands replicated; the op runs once on one device's (whole) components and every device holds its
     result."""
-    if call.mesh.torch_device.type == "meta":  # the shadows of a single-controller mesh (spmd.controller)
-        raise unsupported(call, "its result's shape depends on the values, which only the workers of a "
-                                "single-controller mesh hold (not supported there yet); spmd.to_global the operands "
-                                "and run it on the controller")
+    if call.mesh.torch_device.type == "meta":  # the shadows of a single-controller mesh (its session runs these
+        raise unsupported(call, "its result's shape depends on the values, which only the workers of a "  # ops)
+                                "single-controller mesh hold")
     ranks = _output_ranks(call)
     local = generic_kernel(call.func)
     single = len(call.func._schema.returns) == 1
