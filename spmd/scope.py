@@ -102,10 +102,10 @@ def replicates_plain() -> bool:
 
 # -- composite ops that make plain tensors inside: implicit replication by themselves ------------------------------
 # torch decomposes these CompositeImplicitAutograd ops in C++, at the autograd key, into ops that mix a plain
-# tensor it made (one_hot's zeros, the math attention kernel's causal mask, quantile's ranks) with the DTensor
-# inputs; `__torch_dispatch__` then sees the plain tensor but not who made it. A kernel above autograd (see
-# engine/rules/host_values.py; no other op pays anything) runs them under implicit replication, after checking
-# that no plain tensor came from the caller, and any check torch runs only for plain inputs.
+# tensor it made (one_hot's zeros, the math attention kernel's causal mask, quantile's ranks, combinations' mask)
+# with the DTensor inputs; `__torch_dispatch__` then sees the plain tensor but not who made it. A kernel above
+# autograd (see engine/rules/host_values.py; no other op pays anything) runs them under implicit replication, after
+# checking that no plain tensor came from the caller, and any check torch runs only for plain inputs.
 
 
 def _check_labels(labels: DTensor, num_classes: int = -1) -> None:
@@ -123,7 +123,8 @@ def _check_labels(labels: DTensor, num_classes: int = -1) -> None:
 # op -> the check of its arguments that torch skips for a tensor subclass (None: none)
 _MAKE_PLAIN_TENSORS = {torch.ops.aten.one_hot.default: _check_labels,
                        torch.ops.aten.scaled_dot_product_attention.default: None,
-                       torch.ops.aten.quantile.scalar: None, torch.ops.aten.quantile.default: None}
+                       torch.ops.aten.quantile.scalar: None, torch.ops.aten.quantile.default: None,
+                       torch.ops.aten.combinations.default: None}
 
 
 def _replicating_inside(overload, check):

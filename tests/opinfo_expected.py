@@ -35,7 +35,7 @@ UNSUPPORTED = {
     # torch makes a plain tensor inside the op (a float, or an integer tensor of 20 elements or more: smaller ones
     # are taken as replicated, as in TF DTensor) and mixes it with DTensors: they work under
     # spmd.implicit_replication() (derivative formulas need no scope)
-    "combinations": _FORWARD, "linalg.matrix_rank": _FORWARD, "linalg.matrix_rank.hermitian": _FORWARD,
+    "linalg.matrix_rank": _FORWARD, "linalg.matrix_rank.hermitian": _FORWARD,
     # F.linear_cross_entropy and its OpInfos are new after torch 2.11
     **({"nn.functional.linear_cross_entropy.chunked_none": _BACKWARD}
        if hasattr(torch.nn.functional, "linear_cross_entropy") else {}),
