@@ -23,6 +23,7 @@ import spmd
 from spmd import UNSHARDED as U, Layout
 from spmd.controller import (Controller, ControllerError, RemoteDTensor, WorkerDiedError, WorkerError, protocol,
                              reaper, shadow_cache)
+from spmd.engine import dispatch
 
 ENGINES = [pytest.param(name, marks=pytest.mark.skipif(importlib.util.find_spec(package) is None,
                                                        reason=f"{package} is not installed"))
@@ -194,11 +195,13 @@ def test_composite_ops_that_make_plain_tensors_are_refused_by_name(mesh):
     assert (labels * 2).sum().item() == 12  # the workers are unaffected
 
 
-def test_ops_whose_shape_depends_on_the_values_run_on_the_workers(mesh):
+def test_ops_whose_shape_depends_on_the_values_run_on_the_workers(mesh, monkeypatch):
     """`x[mask]`, `nonzero`, `unique`: the controller holds no values, so the workers run the op and tell it the
     results' shapes; gradients flow back through them."""
     x = spmd.copy_to_mesh(torch.arange(8.) - 3, Layout(["batch"], mesh)).requires_grad_()
-    positive = x[x > 0]
+    monkeypatch.setattr(dispatch, "_GATHERED", set())
+    with pytest.warns(UserWarning, match="gathered on every device"):  # on the controller, as in local mode
+        positive = x[x > 0]
     assert positive.shape == (4,) and spmd.fetch_layout(positive).sharding_specs == [U]
     assert spmd.to_global(positive).tolist() == [1., 2., 3., 4.]
     (positive * positive).sum().backward()

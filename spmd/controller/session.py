@@ -184,6 +184,8 @@ class Session:
         """An op whose results' shapes depend on the values (`x[mask]`, `nonzero`): the workers run it, and tell
         the shapes of its results (replicated: every worker holds the same)."""
         inputs = _leaves((args, kwargs))
+        if any(t._layout.sharded_mesh_dims for t in inputs):  # (the workers' warnings stay in their logs)
+            dispatch.warn_gathered(func)
         for t in inputs:
             if t._pending:
                 with shadow():

@@ -410,11 +410,8 @@ def _make_plan(func, args, kwargs, tensors) -> _Plan:
     if multi:  # rules saw each multi-axis input sharded over its outer dim
         decision = multi_axis.adapt(decision, entry, tensors, native)
     plan = _plan_from_decision(decision, call, tensors, args, kwargs)
-    if decision.value_shaped and plan.in_steps and func not in _GATHERED:
-        _GATHERED.add(func)
-        warnings.warn(f"spmd: the shape of {func}'s result depends on the values, so its sharded operands are "
-                      "gathered on every device (an all-gather each); a masked op (torch.where, masked_fill, a "
-                      "loss's ignore_index) keeps them sharded", stacklevel=4)
+    if decision.value_shaped and plan.in_steps:
+        warn_gathered(func)
     if _replicated(func, plan, tensors):
         # rules are pure: the same op on a stack of one device's components decides the kernel for that stack
         plan.once = _kernel(decide(dataclasses.replace(call, num_local=1)), mesh, args, kwargs)
@@ -509,6 +506,16 @@ def _kernel(decision: Decision, mesh, args, kwargs):
 
 _FELL_BACK: set = set()  # ops that ran through the replicated fallback (each warned about once)
 _GATHERED: set = set()  # value-shaped ops that gathered sharded operands (each warned about once)
+
+
+def warn_gathered(func) -> None:
+    """Warns once per op that an op shaped by the values (engine/rules/value_shaped.py) gathered sharded
+    operands."""
+    if func not in _GATHERED:
+        _GATHERED.add(func)
+        warnings.warn(f"spmd: the shape of {func}'s result depends on the values, so its sharded operands are "
+                      "gathered on every device (an all-gather each); a masked op (torch.where, masked_fill, a "
+                      "loss's ignore_index) keeps them sharded", stacklevel=5)
 
 
 def _fallback_decision(call: OpCall) -> Decision:
