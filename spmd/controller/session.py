@@ -186,10 +186,7 @@ class Session:
         inputs = _leaves((args, kwargs))
         if any(t._layout.sharded_mesh_dims for t in inputs):  # (the workers' warnings stay in their logs)
             dispatch.warn_gathered(func)
-        for t in inputs:
-            if t._pending:
-                with shadow():
-                    dispatch.resolve(t)  # as the workers do, so the shadow keeps their state
+        _resolve_shadows(inputs)
         handles = self.reserve(len(func._schema.returns))
         self.send((protocol.OP, protocol.op_name(func), self.encode(args), self.encode(kwargs), handles))
         n = inputs[0]._layout.mesh.num_local_devices()
@@ -224,10 +221,7 @@ class Session:
     def _read(self, func, args, kwargs):
         """An op that returns Python values: run by every worker (it may resolve a pending reduction, a
         collective), the value of worker 0."""
-        for t in _leaves((args, kwargs)):
-            if t._pending:
-                with shadow():
-                    dispatch.resolve(t)  # as the workers do, so the shadow keeps their state
+        _resolve_shadows(_leaves((args, kwargs)))
         return self.call("item", protocol.op_name(func), args, kwargs)[0]
 
     def _mesh_of(self, layout: Layout) -> ControllerMesh:
@@ -265,9 +259,7 @@ class Session:
 
     def fetch_stack(self, t: RemoteDTensor) -> torch.Tensor:
         """The real stacked components of every device (resolved), gathered from the workers."""
-        if t._pending:
-            with shadow():
-                dispatch.resolve(t)
+        _resolve_shadows([t])
         stack = torch.cat(self.call("stack", t))
         self.traffic["fetched"] += stack.nbytes
         return stack
@@ -289,6 +281,15 @@ class Session:
 
     def dataset_on_workers(self, dataset) -> datasets.OnWorkers:
         return datasets.OnWorkers(dataset)
+
+
+def _resolve_shadows(tensors) -> None:
+    """Resolves the pending reductions of `tensors`' shadows, as the workers' op resolves theirs, so that each shadow
+    keeps its worker-side state."""
+    for t in tensors:
+        if t._pending:
+            with shadow():
+                dispatch.resolve(t)
 
 
 def _leaves(value) -> list:

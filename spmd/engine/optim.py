@@ -45,8 +45,8 @@ def let_torch_optim_take(*types) -> None:
         for name, function in list(vars(module).items()):
             if name.startswith("_single_tensor_") and inspect.isfunction(function) \
                     and not hasattr(function, "_spmd_loop"):
-                setattr(module, name, _loop_on_stacks(function, _TRACEABLE_WITH_A_TENSOR_LR.get(name) and
-                                                      getattr(module, _TRACEABLE_WITH_A_TENSOR_LR[name])))
+                traceable = _TRACEABLE_WITH_A_TENSOR_LR.get(name)
+                setattr(module, name, _loop_on_stacks(function, traceable and getattr(module, traceable)))
         if getattr(module, "_default_to_fused_or_foreach", None) is optimizer._default_to_fused_or_foreach:
             module._default_to_fused_or_foreach = _default_path
 

@@ -22,7 +22,7 @@ from spmd.engine.rules.common import (broadcast_view, generic_kernel, norm_dim, 
                                      zero_d_as_one_element)
 from spmd.engine.rules.pointwise import aligned_inputs, broadcast_shape, is_inplace, merge_axes
 from spmd.engine.rules.reduction import arg
-from spmd.engine.rules.value_shaped import MASKS, value_shaped_rule
+from spmd.engine.rules.value_shaped import masked, value_shaped_rule
 
 aten = torch.ops.aten
 
@@ -85,10 +85,6 @@ class _Advanced(NamedTuple):
         return self.out_axes(self_shape, self.shape)
 
 
-def _masked(indices) -> bool:
-    return any(t is not None and t.dtype in MASKS for t in indices)
-
-
 def _advanced(call: OpCall, spec: TensorSpec, indices) -> _Advanced:
     entries = [(i, t) for i, t in enumerate(indices) if t is not None]
     indexed = tuple(i for i, _ in entries)
@@ -135,7 +131,7 @@ def index_rule(call: OpCall) -> Decision:
     axes follow the index tensors'. Each device indexes its own component: the stack axis is one more advanced
     index, and the indexed axes moved to the front make torch put the new axes first, then where torch would."""
     spec, indices = call.specs[0], call.args[1]
-    if _masked(indices):  # as many elements as the masks have true entries
+    if masked(indices):  # as many elements as the masks have true entries
         return value_shaped_rule(call)
     adv = _advanced(call, spec, indices)
     self_axes = tuple(None if i in adv.indexed else m for i, m in enumerate(spec.axes))
@@ -162,7 +158,7 @@ def index_put_rule(call: OpCall) -> Decision:
     is a pending sum over them (duplicate indices add, as in torch)."""
     spec, indices = call.specs[0], call.args[1]
     inplace = is_inplace(call.func)
-    if _masked(indices):
+    if masked(indices):
         return _masked_fill(call, inplace) or _masked_put(call, inplace)
     adv = _advanced(call, spec, indices)
     accumulate = bool(arg(call, "accumulate", False))

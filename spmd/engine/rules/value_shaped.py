@@ -27,13 +27,17 @@ from spmd.engine.rules.common import generic_kernel, replace_tensors
 aten = torch.ops.aten
 _OPS = (aten.nonzero.default, aten.masked_select.default, aten._unique.default, aten._unique2.default,
         aten.unique_consecutive.default, aten.unique_dim.default, aten.bincount.default, aten.repeat_interleave.Tensor)
-MASKS = (torch.bool, torch.uint8)
+_MASKS = (torch.bool, torch.uint8)
+
+
+def masked(indices) -> bool:
+    """Whether advanced indices (tensors, their TensorSpecs, or None) hold a boolean mask."""
+    return any(t is not None and t.dtype in _MASKS for t in indices)
 
 
 def shaped_by_values(func, args) -> bool:
     """Whether `func(*args)` is one of these ops: its results' shapes depend on the values."""
-    return func in _OPS or (func is aten.index.Tensor and any(
-        isinstance(t, torch.Tensor) and t.dtype in MASKS for t in args[1]))
+    return func in _OPS or (func is aten.index.Tensor and masked(args[1]))
 
 
 @register(*_OPS)
