@@ -237,6 +237,7 @@ def train(name: str, cfg: dict, res: dict) -> None:
         print(f"{name}: step {i} {ms[-1]:.1f} ms, loss {res['losses'][-1]:.4f}", file=sys.stderr, flush=True)
         emit(dict(res, partial=True))  # a variant killed at its timeout still reports the steps it made
     res["ms"] = ms[warm:] or ms
+    res["warmup_s"] = sum(ms[:warm]) / 1e3  # compilation included, at whichever call compiles (whole step: the 2nd)
     res["median_ms"] = statistics.median(res["ms"])
     res["tokens_per_s"] = cfg["batch_size"] * cfg["block_size"] / (res["median_ms"] / 1e3)
     if device == "cuda":
@@ -557,7 +558,7 @@ def caption(data: dict) -> str:
             f"{cfg['batch_size']} × {cfg['block_size']} random tokens; AdamW lr {LR:g} (torch's defaults). Median of "
             f"{data['steps']} steps after {data['warm']} warm-up steps, each variant in a fresh process"
             + (f" ({', '.join(data['concurrent_compile'])} compiled at the same time, then, once all had compiled, "
-               "timed one at a time: their first steps include that contention)"
+               "timed one at a time: their warm-up includes that contention)"
                if data.get("concurrent_compile") else "")
             + "; `benchmarks/bench_gpu.py`.")
 
@@ -577,7 +578,8 @@ def rows(data: dict) -> list[list[str]]:
                     ratio(r.get("tokens_per_s"), plain),
                     ratio(r.get("tokens_per_s"), V.get(same_mode_step(name), {}).get("tokens_per_s")),
                     fmt(r.get("gpu_busy_ms")),
-                    fmt(mem, 2 if cuda else 0), fmt(r.get("first_step_s")), loss, cos, _cell(r.get("error", ""))])
+                    fmt(mem, 2 if cuda else 0), fmt(r.get("warmup_s", r.get("first_step_s"))), loss, cos,
+                    _cell(r.get("error", ""))])
     return out
 
 
@@ -591,7 +593,7 @@ def readme_table(data: dict) -> str:
     unit = "GiB" if data["device"] == "cuda" else "MiB (process RSS)"
     header = ["GPT training step", "ms/step", "tokens/s", "vs plain torch", "vs compiled step (same mode)",
               "GPU kernels ms/step", f"peak memory {unit}",
-              "first step s", "max rel. Δloss vs plain", "update cos vs plain", "error"]
+              "warm-up s", "max rel. Δloss vs plain", "update cos vs plain", "error"]
     return caption(data) + "\n\n" + md_table(header, rows(data))
 
 
@@ -606,7 +608,8 @@ def report(data: dict) -> str:
               "warm-up; with CUDA graphs the larger of that and the warm-up's peak, since a graph's replay allocates "
               "nothing: its memory was allocated as it was recorded); on CPU the process's peak RSS (VmHWM). \"Vs "
               "compiled step (same mode)\": against plain torch.compile of the step, with CUDA graphs for the "
-              "CUDA-graph variants. First step: its wall time, compilation included. Loss difference: the largest "
+              "CUDA-graph variants. Warm-up: the warm-up steps' wall time, compilation included (a whole-step function "
+              "runs its first call eagerly and compiles at its second). Loss difference: the largest "
               "relative difference from plain torch's loss over all steps (bf16 losses near 10 are rounded to 2⁻⁴, "
               "≈0.6 %; more than "
               f"{DIVERGED.get(data['config']['dtype'], 1e-4):g} is marked as diverging). Update cosine: the "

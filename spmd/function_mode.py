@@ -91,6 +91,12 @@ class Function:
                 f"spmd.function({getattr(fn, '__qualname__', fn)!r}, dynamic=True): spmd's sharding rules decide "
                 "layouts and collectives on static shapes, so dynamic shapes are not traced; leave dynamic=False "
                 f"(each new shape is then a trace of its own, up to {MAX_TRACES} per function)")
+        if whole_step and mode is not None and _uses_cuda_graphs(mode):
+            raise ValueError(
+                f"spmd.function({getattr(fn, '__qualname__', fn)!r}, whole_step=True, mode={mode!r}): a whole step "
+                "is not captured as a CUDA graph yet (its state is not the graph's static input, and optimizers "
+                "keep their step counts on the CPU), so its graph would run without one; leave mode unset (or "
+                "'max-autotune-no-cudagraphs'), or use CUDA graphs without whole_step")
         functools.update_wrapper(self, fn)
         self._fn = fn
         self._out_layouts = out_layouts
@@ -281,6 +287,11 @@ def _backend(backend, mode, dynamic) -> Callable:
     if mode is not None:
         raise ValueError(f"mode={mode!r} applies to the inductor backend only, not {backend!r}")
     return torch._dynamo.lookup_backend(backend)
+
+
+def _uses_cuda_graphs(mode: str) -> bool:
+    from torch._inductor import list_mode_options
+    return bool(list_mode_options(mode).get("triton.cudagraphs"))
 
 
 def graph_bucket_cap_mb(bucket_index: int) -> float:

@@ -262,6 +262,10 @@ def test_bad_whole_step_arguments_are_refused():
     whole_plain(torch.randn(2, 8))  # the first call runs eagerly: plain torch
     with pytest.raises(TypeError, match="distribute the module"):
         whole_plain(torch.randn(2, 8))
+    for mode in ("reduce-overhead", "max-autotune"):  # CUDA graphs: refused rather than silently left out
+        with pytest.raises(ValueError, match=f"whole_step=True, mode='{mode}'.* not captured as a CUDA graph"):
+            spmd.function(step, whole_step=True, mode=mode)
+    spmd.function(step, whole_step=True, mode="max-autotune-no-cudagraphs")
 
 
 def test_a_module_put_in_eval_mode_retraces():
