@@ -29,8 +29,8 @@ UNSUPPORTED = {
     # no rule, and torch has no meta kernel to check the call on
     "geqrf": _FORWARD, "histogram": _FORWARD, "histogramdd": _FORWARD, "linalg.lstsq": _FORWARD,
     "linalg.lstsq.grad_oriented": _FORWARD, "nn.functional.ctc_loss": _BOTH,
-    "nn.functional.multi_margin_loss": _BACKWARD, "nn.functional.multilabel_margin_loss": _BACKWARD,
-    # backward formulas that run an in-place op (tril_) with no rule
+    # backward formulas that write into the diagonal of a matrix sharded over its rows (a view that no layout of
+    # the base's blocks can hold: taking it gathers, and the write would not reach the base)
     "ormqr": _BACKWARD, "linalg.householder_product": _BACKWARD,
     # torch makes a plain tensor inside the op (a float, or an integer tensor of 20 elements or more: smaller ones
     # are taken as replicated, as in TF DTensor) and mixes it with DTensors: they work under

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import spmd
-from sweep import MESH, Const, Plain, all_layouts, check_op, distribute, gather, rand
+from sweep import MESH, Const, Plain, all_layouts, check_op, distribute, gather, issued, rand
 
 slow = pytest.mark.slow
 i64 = torch.int64
@@ -249,6 +249,10 @@ CASES = {
     "tril": (torch.tril, [rand(4, 4)]),
     "tril_batched": (lambda x: torch.tril(x, diagonal=-1), [rand(2, 4, 4)]),
     "triu": (lambda x: torch.triu(x, 1), [rand(4, 4)]),
+    "tril_wide": (lambda x: torch.tril(x, 3), [rand(4, 8)]),
+    "triu_tall_batched": (lambda x: torch.triu(x, -2), [rand(2, 8, 4)]),
+    "tril_in_place": (lambda x: (x * 1).tril_(-1), [rand(4, 4)]),
+    "triu_in_place": (lambda x: (x * 1).triu_(2), [rand(2, 4, 8)]),
     "causal_mask": (lambda x: x.masked_fill(torch.ones_like(x).tril() == 0, float("-inf")).softmax(-1),
                     [rand(2, 4, 4)]),
     # -- dtype casts, copies -----------------------------------------------------------------------------------------
@@ -486,6 +490,8 @@ TF_LAYOUTS = [  # (name, op, [(shape, specs) per input], expected output specs)
     ("slice [x,U][0:1,0:2]", lambda a: a[0:1, 0:2], [((4, 4), "xU")], "UU"),
     ("slice [x,y][0:1]", lambda a: a[0:1], [((4, 4), "xy")], "Uy"),
     ("topk [x,y]", lambda a: a.topk(2)[0], [((4, 4), "xy")], "xU"),
+    ("tril [x,y]", lambda a: a.tril(1), [((4, 4), "xy")], "xy"),  # each block keeps its side of the diagonal
+    ("triu_ [U,y,x]", lambda a: a.triu_(-1), [((2, 4, 8), "Uyx")], "Uyx"),
     ("embedding [x,U] idx[y]", lambda t, i: F.embedding(i, t), [((8, 4), "xU"), ((4,), "y")], "yU"),
     ("embedding [U,y] idx[x]", lambda t, i: F.embedding(i, t), [((8, 4), "Uy"), ((4,), "x")], "xy"),
     ("embedding [x,y] idx[U]", lambda t, i: F.embedding(i, t), [((8, 4), "xy"), ((4,), "U")], "Uy"),
@@ -547,6 +553,20 @@ def test_lazy_conjugation_is_computed(mesh22, fn):
     z = torch.randn(4, 4, dtype=torch.complex128, generator=torch.Generator().manual_seed(0))
     for layout in all_layouts(mesh22, (4, 4)):
         torch.testing.assert_close(gather(fn(spmd.copy_to_mesh(z, layout))), fn(z))
+
+
+def test_tril_and_triu_of_a_matrix_sharded_both_ways_run_where_the_blocks_are():
+    """Each device zeroes its block's dropped side of the diagonal, shifted by the block's first row and column: no
+    collective, the layout kept, forward and backward."""
+    x = rand(6, 8)
+    d = distribute(x, spmd.Layout(["x", "y"], MESH)).requires_grad_()
+    out, forward = issued(lambda: torch.tril(d, 1) * 2 + torch.triu(d, -3))
+    _, backward = issued(lambda: out.sum().backward())
+    assert forward == backward == [] and spmd.fetch_layout(out).sharding_specs == ["x", "y"]
+    ref = x.clone().requires_grad_()
+    (torch.tril(ref, 1) * 2 + torch.triu(ref, -3)).sum().backward()
+    torch.testing.assert_close(gather(out), torch.tril(x, 1) * 2 + torch.triu(x, -3))
+    torch.testing.assert_close(gather(d.grad), ref.grad)
 
 
 def test_in_place_op_on_a_computed_view_is_refused(mesh22):

@@ -239,3 +239,47 @@ def test_broadcast_tensors_expands_each_operand_in_its_own_layout():
     assert collectives == []
     assert spmd.fetch_layout(out_a).sharding_specs == ["x", "y"] and spmd.fetch_layout(out_b).sharding_specs == [U, "y"]
     torch.testing.assert_close(spmd.to_global(out_b), rand(6, seed=1).expand(4, 6))
+
+
+# -- losses read from whole rows: multi_margin_loss, multilabel_margin_loss -------------------------------------------
+def _multilabel_targets(n, c, seed=0):
+    """Each row's target classes, then -1 (torch reads a row's targets up to its first -1)."""
+    t = torch.full((n, c), -1)
+    for i, k in enumerate(torch.randint(1, c, (n,), generator=torch.Generator().manual_seed(seed))):
+        t[i, :k] = torch.randperm(c, generator=torch.Generator().manual_seed(seed + i))[:k]
+    return t
+
+
+ROW_LOSSES = {
+    "multi_margin": (lambda x, t, **kw: F.multi_margin_loss(x, t, **kw), _int(4, high=6, seed=1)),
+    "multi_margin_p2_weighted": (lambda x, t, w, **kw: F.multi_margin_loss(x, t, p=2, margin=0.7, weight=w, **kw),
+                                 _int(4, high=6, seed=1)),
+    "multilabel_margin": (lambda x, t, **kw: F.multilabel_margin_loss(x, t, **kw), _multilabel_targets(4, 6)),
+}
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("name", list(ROW_LOSSES))
+def test_row_loss_matches_torch_for_every_layout(name, reduction):
+    fn, target = ROW_LOSSES[name]
+    inputs = [rand(4, 6), Const(target)] + ([Const(rand(6, seed=3).abs())] if "weighted" in name else [])
+    assert check_op(lambda *a: fn(*a, reduction=reduction), inputs, sample=20) >= 10
+    check_op(lambda *a: fn(*a, reduction=reduction), [rand(6), Const(target[0])] + inputs[2:])  # one row
+
+
+@pytest.mark.parametrize("name", list(ROW_LOSSES)[::2])
+def test_row_loss_keeps_rows_sharded_and_gathers_only_the_classes(name):
+    fn, target = ROW_LOSSES[name]
+    x = _sharded(rand(4, 6), "x", U)
+    t = spmd.copy_to_mesh(target, _layout(*("x", U)[:target.dim()]))
+    assert _fallbacks_after(lambda: fn(x, t)) == []
+    loss, forward = issued(lambda: fn(x, t))
+    assert forward == []  # the mean waits, a pending sum over the rows' mesh dim, for its reader
+    _, backward = issued(lambda: loss.backward())
+    assert backward == [] and spmd.fetch_layout(x.grad).sharding_specs == ["x", U]
+    ref = rand(4, 6).requires_grad_()
+    fn(ref, target).backward()
+    torch.testing.assert_close(spmd.to_global(loss), fn(rand(4, 6), target))
+    torch.testing.assert_close(spmd.to_global(x.grad), ref.grad)
+    per_row, collectives = issued(lambda: fn(spmd.copy_to_mesh(rand(4, 6), _layout("x", "y")), t, reduction="none"))
+    assert collectives == [("all_gather", ("y",))] and spmd.fetch_layout(per_row).sharding_specs == ["x"]

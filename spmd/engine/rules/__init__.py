@@ -2,5 +2,6 @@
 (`spmd.engine.registry` finds the rule of an op)."""
 
 from spmd.engine.rules import (complex_numbers, contraction, conv, elementwise, fft, host_values,  # noqa: F401
-                               indexing, linalg, loss, nn, pointwise, random_ops, ranges, rearrange, reduction, scans,
-                               tensor_ops, value_shaped, view, view_copies, view_scatters, vocab_parallel)
+                               indexing, linalg, loss, nn, pointwise, random_ops, ranges, rearrange, reduction,
+                               row_losses, scans, tensor_ops, value_shaped, view, view_copies, view_scatters,
+                               vocab_parallel)

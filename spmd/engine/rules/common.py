@@ -10,6 +10,7 @@ import torch
 
 from spmd.dtensor import DTensor
 from spmd.engine.decision import Kernel, OpCall, TensorSpec
+from spmd.mesh import axis_dims
 
 
 def norm_dim(dim: int, rank: int) -> int:
@@ -131,11 +132,23 @@ def shard_starts(call: OpCall, mesh_dim: str, block: int, ndim: int) -> Callable
     """Per local device, the first global index of its block along an axis sharded over `mesh_dim` (blocks of
     `block` elements), shaped `(L, 1, ..., 1)` with `ndim` trailing ones to broadcast over a component; a
     `constant`."""
-    mesh = call.mesh
-    base = mesh.min_global_device_id()
-    starts = [mesh.device_location(i - base)[mesh.axis_index(mesh_dim)] * block for i in mesh.local_device_ids()]
+    starts = block_starts(call, mesh_dim, block)
     shape = (call.num_local,) + (1,) * ndim
-    return constant(lambda: torch.tensor(starts, device=mesh.torch_device).view(shape))
+    return constant(lambda: torch.tensor(starts, device=call.mesh.torch_device).view(shape))
+
+
+def block_starts(call: OpCall, axis, block: int) -> list[int]:
+    """Per local device, the first global index of its block along a tensor axis sharded over `axis` (a mesh dim,
+    several, row-major as a layout orders them, or None: 0 on every device)."""
+    mesh = call.mesh
+    base, dims = mesh.min_global_device_id(), axis_dims(axis)
+    starts = []
+    for device in mesh.local_device_ids():
+        location, index = mesh.device_location(device - base), 0
+        for d in dims:
+            index = index * mesh.dim_size(d) + location[mesh.axis_index(d)]
+        starts.append(index * block)
+    return starts
 
 
 def zero_d_as_one_element(rule: Callable) -> Callable:

@@ -18,7 +18,8 @@ import torch
 from spmd.dtensor import dense_strides
 from spmd.engine.registry import lookup, register
 from spmd.engine.decision import Decision, OpCall, TensorSpec, is_inplace, unsupported
-from spmd.engine.rules.common import generic_kernel, norm_dim, shard_starts, zero_d_as_one_element
+from spmd.engine.rules.common import (block_starts, constant, generic_kernel, norm_dim, shard_starts,
+                                      zero_d_as_one_element)
 from spmd.engine.rules.reduction import arg, arg_index
 from spmd.layout import axis_dims
 
@@ -390,11 +391,31 @@ def as_strided_rule(call: OpCall) -> Decision:
 
 
 
-@register(aten.tril.default, aten.triu.default)
+@register(aten.tril.default, aten.triu.default, aten.tril_.default, aten.triu_.default, multi_axis=True)
 def triangle_rule(call: OpCall) -> Decision:
+    """`tril`/`triu` in any layout, with no collective: a device whose block of the matrix axes starts at global
+    row r0 and column c0 zeroes the elements on the dropped side of the diagonal shifted by c0 - r0."""
     spec = call.specs[0]
-    axes = spec.axes[:-2] + (None, None)
-    return Decision((axes,), (axes,), generic_kernel(call.func))
+    inplace = is_inplace(call.func)
+    rows, cols = spec.axes[-2:]
+    if rows is None and cols is None:
+        return Decision((spec.axes,), (spec.axes,), generic_kernel(call.func), inplace=inplace)
+    n_rows, n_cols = call.local_shape(spec.shape, spec.axes)[-2:]
+    shifts = [c - r for r, c in zip(block_starts(call, rows, n_rows), block_starts(call, cols, n_cols))]
+    diagonal, lower = arg(call, "diagonal", 0), call.func in (aten.tril.default, aten.tril_.default)
+
+    def build() -> torch.Tensor:
+        device = call.mesh.torch_device
+        above = (torch.arange(n_cols, device=device) - torch.arange(n_rows, device=device).view(-1, 1)
+                 + torch.tensor(shifts, device=device).view(-1, 1, 1))  # global column - row, per device
+        dropped = above > diagonal if lower else above < diagonal
+        return dropped.view((call.num_local,) + (1,) * (spec.rank - 2) + (n_rows, n_cols))
+    dropped = constant(build)
+
+    def kernel(locals_, args, kwargs):
+        x = locals_[0]
+        return x.masked_fill_(dropped(x), 0) if inplace else x.masked_fill(dropped(x), 0)
+    return Decision((spec.axes,), (spec.axes,), kernel, inplace=inplace)
 
 
 @register(aten.new_zeros.default, aten.new_ones.default, aten.new_empty.default, aten.new_full.default,
