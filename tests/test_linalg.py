@@ -53,6 +53,7 @@ OPS = {
                          [(4, 2, 2), (4, 2, 4)]),
     "matrix_exp": (lambda a: torch.linalg.matrix_exp(a / 4), [(4, 2, 2)]),
     "pinv": (lambda a: torch.linalg.pinv(a), [(4, 4, 2)]),
+    "geqrf": (lambda a: torch.geqrf(a.detach()), [(4, 4, 2)]),  # no gradient in torch, nor a meta kernel
 }
 
 
@@ -76,7 +77,7 @@ def test_batch_sharded_factorizations_run_where_the_data_is():
     a = _spd_batch(4, 3, 3)
     x = spmd.copy_to_mesh(a, _layout("x", U, U))
     for fn in (torch.linalg.cholesky, torch.linalg.inv, torch.linalg.det, torch.linalg.eigh, torch.linalg.qr,
-               torch.linalg.lu_factor, lambda t: torch.linalg.svd(t, full_matrices=False)):
+               torch.linalg.lu_factor, lambda t: torch.linalg.svd(t, full_matrices=False), torch.geqrf):
         out, collectives = issued(lambda: fn(x))
         assert collectives == []
         outs, wants = ((out,), (fn(a),)) if isinstance(out, torch.Tensor) else (tuple(out), tuple(fn(a)))

@@ -46,6 +46,7 @@ _OUTPUT_CORES = {
     aten.linalg_matrix_exp.default: (2,),
     aten.linalg_qr.default: (2, 2),
     aten.linalg_pinv.atol_rtol_tensor: (2,),
+    aten.geqrf.default: (2, 1),  # a, tau
 }
 # input arguments whose core is not a matrix: pivots are one vector per matrix, tolerances one value
 _INPUT_CORES = {"pivots": 1, "LU_pivots": 1, "atol": 0, "rtol": 0}
@@ -72,9 +73,15 @@ def _input_cores(call: OpCall, named: list) -> dict[str, int]:
     return cores
 
 
+# ops without a meta kernel: their outputs' global shapes from the input's
+_SHAPES_WITHOUT_META = {aten.geqrf.default: lambda a: [a, a[:-2] + (min(a[-2:]),)]}  # a, tau
+
+
 def _output_shapes(call: OpCall) -> list[tuple[int, ...]]:
     """The outputs' global shapes, from torch's meta kernel on the global shapes (placeholders included: the
     empty `U` of an SVD without vectors)."""
+    if call.func in _SHAPES_WITHOUT_META:
+        return _SHAPES_WITHOUT_META[call.func](tuple(call.specs[0].shape))
     def meta(a):  # a DTensor's spec, or a plain 0-d tensor (the tolerance `linalg.pinv` makes of a float)
         if isinstance(a, (TensorSpec, torch.Tensor)):
             return torch.empty(a.shape, dtype=a.dtype, device="meta")
