@@ -14,7 +14,7 @@ from spmd.collectives.local import traced
 from spmd.creation import FactoryMode
 from spmd.dtensor import DTensor
 from spmd.engine import dispatch
-from spmd.engine.rules.host_values import below, register_above_autograd
+from spmd.engine.rules.host_values import below, empty_matrix_rank, register_above_autograd
 from spmd.errors import LayoutError, UnsupportedOpError
 from spmd.mesh import Mesh, get_default_mesh
 
@@ -102,10 +102,11 @@ def replicates_plain() -> bool:
 
 # -- composite ops that make plain tensors inside: implicit replication by themselves ------------------------------
 # torch decomposes these CompositeImplicitAutograd ops in C++, at the autograd key, into ops that mix a plain
-# tensor it made (one_hot's zeros, the math attention kernel's causal mask, quantile's ranks, combinations' mask)
-# with the DTensor inputs; `__torch_dispatch__` then sees the plain tensor but not who made it. A kernel above
-# autograd (see engine/rules/host_values.py; no other op pays anything) runs them under implicit replication, after
-# checking that no plain tensor came from the caller, and any check torch runs only for plain inputs.
+# tensor it made (one_hot's zeros, the math attention kernel's causal mask, quantile's ranks, combinations' mask,
+# matrix_rank's tolerance) with the DTensor inputs; `__torch_dispatch__` then sees the plain tensor but not who made
+# it. A kernel above autograd (see engine/rules/host_values.py; no other op pays anything) runs them under implicit
+# replication, after checking that no plain tensor came from the caller, and any check torch runs only for plain
+# inputs.
 
 
 def _check_labels(labels: DTensor, num_classes: int = -1) -> None:
@@ -149,5 +150,20 @@ def _replicating_inside(overload, check):
     return kernel
 
 
+def _matrix_rank(overload):
+    """`linalg.matrix_rank`: torch makes its tolerance a plain tensor (taken as replicated); an empty batch's
+    ranks are made whole (engine/rules/host_values.py)."""
+    inside = _replicating_inside(overload, None)
+
+    def kernel(keyset, *args, **kwargs):
+        if isinstance(args[0], DTensor) and args[0].numel() == 0:
+            return empty_matrix_rank(overload, args, kwargs)
+        return inside(keyset, *args, **kwargs)
+    return kernel
+
+
 for _overload, _check in _MAKE_PLAIN_TENSORS.items():
     register_above_autograd(_overload, _replicating_inside(_overload, _check))
+_RANK = torch.ops.aten.linalg_matrix_rank
+for _overload in (_RANK.default, _RANK.tol_tensor, _RANK.atol_rtol_tensor, _RANK.atol_rtol_float):
+    register_above_autograd(_overload, _matrix_rank(_overload))

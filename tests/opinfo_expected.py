@@ -32,10 +32,6 @@ UNSUPPORTED = {
     # backward formulas that write into the diagonal of a matrix sharded over its rows (a view that no layout of
     # the base's blocks can hold: taking it gathers, and the write would not reach the base)
     "ormqr": _BACKWARD, "linalg.householder_product": _BACKWARD,
-    # torch makes a plain tensor inside the op (a float, or an integer tensor of 20 elements or more: smaller ones
-    # are taken as replicated, as in TF DTensor) and mixes it with DTensors: they work under
-    # spmd.implicit_replication() (derivative formulas need no scope)
-    "linalg.matrix_rank": _FORWARD, "linalg.matrix_rank.hermitian": _FORWARD,
     # F.linear_cross_entropy and its OpInfos are new after torch 2.11
     **({"nn.functional.linear_cross_entropy.chunked_none": _BACKWARD}
        if hasattr(torch.nn.functional, "linear_cross_entropy") else {}),

@@ -162,6 +162,22 @@ def test_matrix_rank_of_an_empty_batch_is_zero_laid_out_like_the_batch(layout, c
         torch.testing.assert_close(component, block)
 
 
+@pytest.mark.parametrize("call", [lambda a: torch.linalg.matrix_rank(a),
+                                  lambda a: torch.linalg.matrix_rank(a, hermitian=True),
+                                  lambda a: torch.linalg.matrix_rank(a, atol=0.5, rtol=0.1)],
+                         ids=["default", "hermitian", "atol_rtol"])
+def test_matrix_rank_takes_the_tolerance_torch_makes_inside_as_replicated(call):
+    """torch makes the default tolerance a plain tensor inside the op: taken as replicated, the batch stays
+    sharded with no collective, and every layout gives torch's ranks."""
+    a = rand(4, 3, 3)
+    a[1, 2] = a[1, 0] + a[1, 1]
+    sym = a @ a.mT  # symmetric (for hermitian=True), the second matrix of rank 2
+    out, collectives = issued(lambda: call(spmd.copy_to_mesh(sym, _layout("x", U, U))))
+    assert collectives == [] and spmd.fetch_layout(out).sharding_specs == ["x"]
+    torch.testing.assert_close(spmd.to_global(out), call(sym))
+    check_op(call, [sym], grad=False)
+
+
 def test_matrix_rank_of_an_empty_tensor_that_is_not_a_batch_of_matrices_is_torchs_error():
     with pytest.raises(RuntimeError) as want:
         torch.linalg.matrix_rank(torch.empty(0))

@@ -3,9 +3,10 @@
 Why not a rule: these ops are CompositeImplicitAutograd, so torch decomposes them in C++ at the autograd key,
 before `__torch_dispatch__` could see them. `tensor_split` with a tensor of indices reads the indices' memory
 (a DTensor's wrapper has none); `linalg.matrix_rank` of an empty batch fills an `at::empty` of its own, a plain
-tensor. So spmd registers, for these overloads only, a kernel at the `PythonTLSSnapshot` key, which only
-tensor subclasses (and active Python modes) reach, above autograd: with no DTensor argument it passes the call
-on unchanged; with one it runs the op in DTensor terms, and torch's own decomposition does the rest.
+tensor (`empty_matrix_rank`: spmd/scope.py's kernel for matrix_rank calls it). So spmd registers, for these
+overloads only, a kernel at the `PythonTLSSnapshot` key, which only tensor subclasses (and active Python modes)
+reach, above autograd: with no DTensor argument it passes the call on unchanged; with one it runs the op in
+DTensor terms, and torch's own decomposition does the rest.
 """
 
 from __future__ import annotations
@@ -46,20 +47,11 @@ def _tensor_split_by_tensor(keyset, self, indices, dim=0):
     return aten.tensor_split.tensor_indices_or_sections.redispatch(below(keyset), self, indices, dim)
 
 
-def _matrix_rank(overload):
-    def kernel(keyset, *args, **kwargs):
-        x = args[0]
-        if isinstance(x, DTensor) and x.numel() == 0:
-            return _empty_matrix_rank(overload, args, kwargs)
-        return overload.redispatch(below(keyset), *args, **kwargs)
-    return kernel
-
-
 def _meta(a):
     return torch.empty(a.shape, dtype=a.dtype, device="meta") if isinstance(a, torch.Tensor) else a
 
 
-def _empty_matrix_rank(overload, args, kwargs) -> DTensor:
+def empty_matrix_rank(overload, args, kwargs) -> DTensor:
     """Rank 0 for every matrix of an empty batch (torch's value), laid out like the batch axes."""
     metas = tuple(_meta(a) for a in args), {k: _meta(v) for k, v in kwargs.items()}
     overload(*metas[0], **metas[1])  # torch's own checks of the call (not a batch of matrices, a bad dtype)
@@ -67,6 +59,3 @@ def _empty_matrix_rank(overload, args, kwargs) -> DTensor:
 
 
 register_above_autograd(aten.tensor_split.tensor_indices_or_sections, _tensor_split_by_tensor)
-for _overload in (aten.linalg_matrix_rank.default, aten.linalg_matrix_rank.tol_tensor,
-                  aten.linalg_matrix_rank.atol_rtol_tensor, aten.linalg_matrix_rank.atol_rtol_float):
-    register_above_autograd(_overload, _matrix_rank(_overload))
