@@ -633,10 +633,10 @@ def report(data: dict) -> str:
 # -- command line ------------------------------------------------------------------------------------------------
 def parse(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="a tiny GPT, 1 warm-up and 2 steps: a smoke run")
+    p.add_argument("--quick", action="store_true", help="a tiny GPT, 2 warm-up and 2 steps: a smoke run")
     p.add_argument("--variants", default=",".join(VARIANTS),
                    help=f"comma-separated subset of {', '.join(VARIANTS + EXTRA)} (default: all but {EXTRA[0]})")
-    p.add_argument("--warm", type=int, default=None, help="warm-up steps (default 3; --quick 1)")
+    p.add_argument("--warm", type=int, default=None, help="warm-up steps (default 3; --quick 2: a whole step compiles at its 2nd call)")
     p.add_argument("--steps", type=int, default=None, help="timed steps, median reported (default 10; --quick 2)")
     p.add_argument("--timeout", type=float, default=150, help="seconds per eager variant (default 150)")
     p.add_argument("--compile-timeout", type=float, default=240, help="seconds per compiled variant (default 240)")
@@ -670,7 +670,7 @@ def main(argv=None) -> dict:
     device = "cuda" if a.device == "cuda" or (a.device == "auto" and torch.cuda.is_available()) else "cpu"
     dtype = a.dtype if a.dtype != "auto" else "bfloat16" if device == "cuda" else "float32"
     cfg = dict(QUICK if a.quick else FULL, device=device, dtype=dtype,
-               warm=a.warm if a.warm is not None else (1 if a.quick else 3),
+               warm=a.warm if a.warm is not None else (2 if a.quick else 3),
                steps=a.steps or (2 if a.quick else 10), threads=1 if device == "cpu" else None, profile=a.profile)
     data = {"env": environment(), "device": device, "config": cfg, "warm": cfg["warm"], "steps": cfg["steps"],
             "quick": a.quick, "complete": False, "variants": {}, "run_order": order(names)}
