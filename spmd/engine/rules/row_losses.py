@@ -71,7 +71,7 @@ def row_loss_rule(call: OpCall) -> Decision:
     rows, inputs, weight = _rows(call, 0)
     term, reduction = _term(call, 0, weight), arg(call, "reduction")
     multilabel = call.func in _MULTILABEL
-    extra = ((rows, None)[:call.specs[0].rank],) if multilabel else ()  # multilabel's is_target
+    extra = inputs[:1] if multilabel else ()  # multilabel's is_target, laid out as the input
     count = call.specs[0].shape[0] if reduction == _MEAN and call.specs[0].rank == 2 else 1
 
     def kernel(l, a, k):
@@ -86,15 +86,15 @@ def row_loss_rule(call: OpCall) -> Decision:
 
 @register(*_ROW_LOSSES.values(), floats_at_run_time=True)
 def row_loss_backward_rule(call: OpCall) -> Decision:
-    rows, inputs, weight = _rows(call, 1)
+    _, inputs, weight = _rows(call, 1)
     term, reduction = _term(call, 1, weight), arg(call, "reduction")
     x = call.specs[1]
     if reduction == _NONE or x.rank == 1:
-        return Decision(inputs, ((rows, None)[:x.rank],), lambda l, a, k: term(l, a, k)[0])
+        return Decision(inputs, inputs[1:2], lambda l, a, k: term(l, a, k)[0])
     scale = 1 / x.shape[0] if reduction == _MEAN else 1
 
     def kernel(l, a, k):
         g = l[0] * scale  # (L,): each device's copy of the scalar gradient, given to each of its rows
         per_row = g.view(-1, 1).expand(l[1].shape[:2])
         return term([per_row, *l[1:]], a, k)[0]
-    return Decision(((), *inputs[1:]), ((rows, None),), kernel)
+    return Decision(((), *inputs[1:]), inputs[1:2], kernel)
