@@ -72,18 +72,67 @@ def _kernel_counts(fn):
     return {e.key: e.count for e in prof.key_averages()}
 
 
+_VIEWS = {"aten::view", "aten::as_strided", "aten::slice", "aten::narrow", "aten::expand", "aten::expand_as"}
+
+
 @pytest.mark.parametrize("mode", ["foreach", "fused"])
 def test_an_optimizer_step_runs_the_kernels_plain_torch_runs(mode):
     """torch.optim's update runs on the stacked components: exactly the aten ops of plain torch's step, each as
     often (CPU's foreach kernels loop over the tensors) — no multi-tensor op called on DTensors first, no dispatch
-    per parameter and element op."""
+    per parameter and element op. The foreach update of the two parameters replicated over a mesh dim runs on one
+    copy per group of devices holding the same values, then copies it to the others: one `copy_` per written list
+    (parameter, exp_avg, exp_avg_sq) and parameter; torch's fused kernels take the whole stacks."""
     counts = []
     for ps in _params():
         opt = torch.optim.AdamW(ps, lr=0.1, **{mode: True})
         _loss(ps).backward()
         opt.step()
         counts.append({op: n for op, n in _kernel_counts(opt.step).items() if op.startswith("aten::")})
-    assert counts[0] == counts[1]
+    dist, plain = ({op: n for op, n in c.items() if op not in _VIEWS} for c in counts)
+    copies = dist.pop("aten::copy_", 0) - plain.pop("aten::copy_", 0)
+    assert dist == plain
+    assert copies == (3 * 2 if mode == "foreach" else 0)
+
+
+class _LerpSizes(torch.utils._python_dispatch.TorchDispatchMode):
+    """The element counts of the tensors that Adam's moment update (`lerp_`, one per tensor or per list) writes."""
+
+    def __init__(self):
+        super().__init__()
+        self.sizes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.lerp_.Scalar, torch.ops.aten._foreach_lerp_.Scalar):
+            targets = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
+            self.sizes += [t.numel() for t in targets]
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+def test_a_replicated_parameter_is_updated_once_per_group_of_devices_holding_it(foreach):
+    """A parameter replicated over a mesh dim (each device holding its own copy) is updated at coordinate 0 of that
+    dim only, then copied to the others: the update's element ops see half of its stacks, and every device's
+    components of the parameters and the state equal plain torch's values."""
+    dist, plain = _params()
+    opts = [torch.optim.AdamW(ps, lr=0.05, amsgrad=True, foreach=foreach) for ps in (dist, plain)]
+    for _ in range(3):
+        for ps, opt in zip((dist, plain), opts):
+            _loss(ps).backward()
+            opt.step()
+            opt.zero_grad()
+    for d, p in zip(dist, plain):
+        torch.testing.assert_close(spmd.to_global(d), p.detach(), rtol=1e-10, atol=1e-12)
+        check_replicas(d)
+    for state in opts[0].state.values():
+        for value in state.values():
+            if spmd.is_dtensor(value) and value.dim() > 0:
+                check_replicas(value)
+    _loss(dist).backward()
+    with _LerpSizes() as update:
+        opts[0].step()
+    # 4 devices: [4, 6] sharded over b and m (24 elements, no replica); [6] over m, replicated over b (2 groups
+    # of 3); [3, 4] over b, replicated over m (2 groups of 6)
+    assert sorted(update.sizes) == [6, 12, 24]
 
 
 def test_optimizers_take_plain_torchs_default_path_and_run_it_on_the_stacks():

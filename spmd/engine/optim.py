@@ -8,7 +8,9 @@ the DTensors' stacked components instead: the for-loop is called with them in pl
 multi-tensor and fused updates get them from torch's own grouping of the lists by device and dtype. The update then
 runs torch's own kernels on plain tensors: no DTensor dispatch per op and parameter, so its cost is plain torch's over
 tensors of the stacks' size, and the path torch picks by default is the one it picks for plain tensors (but for a
-controller mesh's parameters, which live on its workers: there the foreach update, one message per op). Lists that
+controller mesh's parameters, which live on its workers: there the foreach update, one message per op). A value
+replicated over some mesh dims is updated once per group of devices holding it (the for-loop and foreach paths,
+on an in-process mesh): on the copies at coordinate 0 of those dims, then copied to the others. Lists that
 do not line up (a gradient laid out unlike its parameter, state not created yet, a plain tensor among DTensors) stay
 DTensors, and each op runs through the dispatcher (the multi-tensor ones through engine/foreach.py).
 """
@@ -25,6 +27,7 @@ import torch
 import torch.utils._foreach_utils
 from torch.optim import optimizer
 
+from spmd.collectives.local import shared
 from spmd.dtensor import DTensor
 from spmd.engine.foreach import once_where_shared, same_keys
 
@@ -43,10 +46,13 @@ def let_torch_optim_take(*types) -> None:
     optimizer.Optimizer._group_tensors_by_device_and_dtype = staticmethod(_grouped)
     for module in _MODULES:
         for name, function in list(vars(module).items()):
-            if name.startswith("_single_tensor_") and inspect.isfunction(function) \
-                    and not hasattr(function, "_spmd_loop"):
+            if not inspect.isfunction(function) or hasattr(function, "_spmd_update"):
+                continue
+            if name.startswith("_single_tensor_"):
                 traceable = _TRACEABLE_WITH_A_TENSOR_LR.get(name)
                 setattr(module, name, _loop_on_stacks(function, traceable and getattr(module, traceable)))
+            elif name.startswith("_multi_tensor_"):
+                setattr(module, name, _copying_to_replicas(function))
         if getattr(module, "_default_to_fused_or_foreach", None) is optimizer._default_to_fused_or_foreach:
             module._default_to_fused_or_foreach = _default_path
 
@@ -79,7 +85,10 @@ def _grouped(tensorlistlist, with_indices: bool = False):
     if not torch.compiler.is_compiling():
         fused = _UPDATES.get(sys._getframe(1).f_code)
         if fused is not None:
-            tensorlistlist = _stacked(tensorlistlist, fused) or tensorlistlist
+            stacked = _stacked(tensorlistlist, fused)
+            if stacked is not None:
+                tensorlistlist, copies = stacked
+                _AFTER_UPDATE.extend(copies)
     return _GROUP(tensorlistlist, with_indices)
 
 
@@ -108,20 +117,44 @@ def _loop_on_stacks(loop, traceable=None):
     def on_stacks(*args, **kwargs):
         if traceable and isinstance(kwargs.get("lr"), torch.Tensor) and torch.compiler.is_compiling():
             return traceable(*args, **kwargs)
+        copies = ()
         if not (torch.is_grad_enabled() or torch.compiler.is_compiling()):
             n = next((i for i, a in enumerate(args) if not isinstance(a, list)), len(args))
-            stacks = _stacked(list(args[:n]), fused=False) if n else None
-            if stacks is not None:
+            stacked = _stacked(list(args[:n]), fused=False) if n else None
+            if stacked is not None:
+                stacks, copies = stacked
                 args = (*stacks, *args[n:])
-        return loop(*args, **kwargs)
-    on_stacks._spmd_loop = loop
+        out = loop(*args, **kwargs)
+        _copy_to_replicas(copies)
+        return out
+    on_stacks._spmd_update = loop
     return on_stacks
+
+
+def _copying_to_replicas(update):
+    """torch's multi-tensor `update`, followed by the copies to replicas of what it updated once per group of
+    devices holding the same values (see `_once_per_replica_group`; `_grouped` found them)."""
+    @functools.wraps(update)
+    def then_copy(*args, **kwargs):
+        del _AFTER_UPDATE[:]
+        try:
+            out = update(*args, **kwargs)
+            _copy_to_replicas(_AFTER_UPDATE)
+            return out
+        finally:
+            del _AFTER_UPDATE[:]
+    then_copy._spmd_update = update
+    return then_copy
+
+
+_AFTER_UPDATE: list = []  # the copies to replicas that the running multi-tensor update owes (see _grouped)
 
 
 def _stacked(lists, fused: bool):
     """`lists` (parameters, gradients, then state) with each DTensor replaced by its stacked components (pending
-    reductions resolved), or None unless they line up: at each position every DTensor has the parameter's layout,
-    shape and dtype, and a list without DTensors holds one plain scalar per parameter (steps, step sizes)."""
+    reductions resolved), and the copies to replicas owed once the update ran (see `_once_per_replica_group`); or
+    None unless they line up: at each position every DTensor has the parameter's layout, shape and dtype, and a list
+    without DTensors holds one plain scalar per parameter (steps, step sizes)."""
     params = lists[0]
     if not params or not isinstance(params[0], DTensor) or params[0]._layout.mesh.remote is not None:
         return None
@@ -144,9 +177,45 @@ def _stacked(lists, fused: bool):
         stacks.append(lined_up)
         tensors.append(values)
         their_stacks.append(lined_up)
+    copies = []
     if stacks[0][0].shape[0] > 1:
         once_where_shared(their_stacks, written, tensors)
-    return stacks
+        if not fused:  # (torch's fused kernels want whole tensors)
+            copies = _once_per_replica_group(their_stacks, written, tensors)
+    return stacks, copies
+
+
+def _once_per_replica_group(stacks: list[list], written: list[int], tensors: list[list]) -> list:
+    """At the positions whose value is replicated over some mesh dims yet held in each device's own memory (a
+    parameter replicated over `batch` of a batch x model mesh, its gradient and state), the update runs on one copy
+    per group of devices holding the same values: every list's stack there becomes a view of the copies at
+    coordinate 0 of those mesh dims. Returns what the caller copies back to the other devices once the update ran
+    (`_copy_to_replicas`): the written stacks as grids over the mesh, with the mesh dims to copy along. (An
+    elementwise update of every device's copy would compute the same values once per device of the group.)"""
+    copies = []
+    for i, reference in enumerate(tensors[0]):
+        mesh = reference._layout.mesh
+        sharding = reference._layout.sharded_mesh_dims
+        replicas = [a for a, (name, size) in enumerate(zip(mesh.dim_names, mesh.shape()))
+                    if size > 1 and name not in sharding]
+        if not replicas or not mesh.is_fully_local() or any(shared(s[i]) or len(s[i]) != mesh.size for s in stacks):
+            continue  # (one copy shared by every device, or made so: once_where_shared's)
+        grid_shape = tuple(mesh.shape())
+        first = tuple(slice(0, 1) if a in replicas else slice(None) for a in range(len(grid_shape)))
+        for j, s in enumerate(stacks):
+            grid = s[i].view(grid_shape + tuple(s[i].shape[1:]))
+            s[i] = grid[first]
+            if j in written:
+                copies.append((grid, replicas))
+    return copies
+
+
+def _copy_to_replicas(copies) -> None:
+    """Each grid's copies at coordinate 0 of its replica mesh dims, copied to the other coordinates, dim by dim."""
+    for grid, replicas in copies:
+        for a in replicas:
+            rest = grid.narrow(a, 1, grid.shape[a] - 1)
+            rest.copy_(grid.narrow(a, 0, 1).expand_as(rest))
 
 
 def _plain_scalars(values) -> bool:
