@@ -76,22 +76,27 @@ _VIEWS = {"aten::view", "aten::as_strided", "aten::slice", "aten::narrow", "aten
 
 
 @pytest.mark.parametrize("mode", ["foreach", "fused"])
-def test_an_optimizer_step_runs_the_kernels_plain_torch_runs(mode):
+@pytest.mark.parametrize("once_per_group", [False, True])
+def test_an_optimizer_step_runs_the_kernels_plain_torch_runs(mode, once_per_group, monkeypatch):
     """torch.optim's update runs on the stacked components: exactly the aten ops of plain torch's step, each as
     often (CPU's foreach kernels loop over the tensors) — no multi-tensor op called on DTensors first, no dispatch
-    per parameter and element op. The foreach update of the two parameters replicated over a mesh dim runs on one
-    copy per group of devices holding the same values, then copies it to the others: one `copy_` per written list
-    (parameter, exp_avg, exp_avg_sq) and parameter; torch's fused kernels take the whole stacks."""
+    per parameter and element op. (Where the foreach update of a parameter replicated over a mesh dim runs on one
+    copy per group of devices holding it, it copies the result to the others: one `copy_` per written list —
+    parameter, exp_avg, exp_avg_sq — and parameter; torch's fused kernels take the whole stacks.)"""
+    if once_per_group:  # (the test's stacks are below the size from which it pays)
+        monkeypatch.setattr(spmd.engine.optim, "ONCE_PER_GROUP_MIN_ELEMENTS", 0)
     counts = []
     for ps in _params():
         opt = torch.optim.AdamW(ps, lr=0.1, **{mode: True})
         _loss(ps).backward()
         opt.step()
         counts.append({op: n for op, n in _kernel_counts(opt.step).items() if op.startswith("aten::")})
+    if not once_per_group:
+        assert counts[0] == counts[1]
     dist, plain = ({op: n for op, n in c.items() if op not in _VIEWS} for c in counts)
     copies = dist.pop("aten::copy_", 0) - plain.pop("aten::copy_", 0)
     assert dist == plain
-    assert copies == (3 * 2 if mode == "foreach" else 0)
+    assert copies == (3 * 2 if mode == "foreach" and once_per_group else 0)
 
 
 class _LerpSizes(torch.utils._python_dispatch.TorchDispatchMode):
@@ -109,10 +114,11 @@ class _LerpSizes(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 @pytest.mark.parametrize("foreach", [False, True])
-def test_a_replicated_parameter_is_updated_once_per_group_of_devices_holding_it(foreach):
+def test_a_replicated_parameter_is_updated_once_per_group_of_devices_holding_it(foreach, monkeypatch):
     """A parameter replicated over a mesh dim (each device holding its own copy) is updated at coordinate 0 of that
     dim only, then copied to the others: the update's element ops see half of its stacks, and every device's
     components of the parameters and the state equal plain torch's values."""
+    monkeypatch.setattr(spmd.engine.optim, "ONCE_PER_GROUP_MIN_ELEMENTS", 0)  # (small stacks, as if large)
     dist, plain = _params()
     opts = [torch.optim.AdamW(ps, lr=0.05, amsgrad=True, foreach=foreach) for ps in (dist, plain)]
     for _ in range(3):
