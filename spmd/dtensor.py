@@ -56,6 +56,8 @@ class DTensor(torch.Tensor):
     _pending: tuple = ()
     _pending_op: str = "sum"
     _copied_view = False  # set on outputs of view ops that had to relayout (see engine/dispatch.py)
+    _view_of = None  # and for those with a scatter inverse: (base, view op, its other arguments, kwargs); for a
+    # view sharing such a view's memory (also marked copied): (that view, None, (), {})
     _bucket = None  # the gradient bucket reducing `_pending` across clients, if any (see spmd/buckets.py)
 
     # Ops reach `__torch_dispatch__` directly: no Python-level `__torch_function__` on the hot path.

@@ -29,9 +29,6 @@ UNSUPPORTED = {
     # no rule, and torch has no meta kernel to check the call on
     "histogram": _FORWARD, "histogramdd": _FORWARD, "linalg.lstsq": _FORWARD,
     "linalg.lstsq.grad_oriented": _FORWARD, "nn.functional.ctc_loss": _BOTH,
-    # backward formulas that write into the diagonal of a matrix sharded over its rows (a view that no layout of
-    # the base's blocks can hold: taking it gathers, and the write would not reach the base)
-    "ormqr": _BACKWARD, "linalg.householder_product": _BACKWARD,
     # F.linear_cross_entropy and its OpInfos are new after torch 2.11
     **({"nn.functional.linear_cross_entropy.chunked_none": _BACKWARD}
        if hasattr(torch.nn.functional, "linear_cross_entropy") else {}),

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import spmd
-from sweep import MESH, Const, Plain, all_layouts, check_op, distribute, gather, issued, rand
+from sweep import MESH, Const, Plain, all_layouts, check_op, check_replicas, distribute, gather, issued, rand
 
 slow = pytest.mark.slow
 i64 = torch.int64
@@ -569,10 +569,63 @@ def test_tril_and_triu_of_a_matrix_sharded_both_ways_run_where_the_blocks_are():
     torch.testing.assert_close(gather(d.grad), ref.grad)
 
 
+WRITES_THROUGH_VIEWS = {
+    "diagonal().add_": lambda t: t.diagonal().add_(1.0),
+    "fill_diagonal_": lambda t: t.fill_diagonal_(0.5),
+    "[:, 1:3].mul_": lambda t: t[:, 1:3].mul_(2),
+    "[:, 1:3] *= 2": lambda t: t.__setitem__((slice(None), slice(1, 3)), t[:, 1:3] * 2),
+    "[1].zero_": lambda t: t[1].zero_(),
+    "[1:3, 1:3].diagonal().add_": lambda t: t[1:3, 1:3].diagonal().add_(1.0),  # a view of a view
+    "[:, 1:4][0].zero_": lambda t: t[:, 1:4][0].zero_(),
+    "as_strided().mul_": lambda t: t.as_strided((2, 2), (1, 6), 1).mul_(3),
+}
+
+
+@pytest.mark.parametrize("layout", all_layouts(MESH, (4, 6)), ids=lambda l: ",".join(l.sharding_specs))
+@pytest.mark.parametrize("name", list(WRITES_THROUGH_VIEWS))
+def test_an_in_place_op_on_a_view_reaches_its_base_in_every_layout(name, layout):
+    """A view that needed a relayout (a diagonal, row or column block across shards) holds a copy; an in-place op
+    on it writes the copy back into its base through the view's scatter (diagonal_scatter, select_scatter, ...),
+    as torch's functionalization does: the base keeps its layout and every component equals plain torch's."""
+    fn, x = WRITES_THROUGH_VIEWS[name], rand(4, 6)
+    want = x.clone()
+    fn(want)
+    d = distribute(x, layout)
+    fn(d)
+    assert spmd.fetch_layout(d) == layout
+    torch.testing.assert_close(gather(d), want, rtol=0, atol=0)
+    check_replicas(d)
+
+
+def test_gradients_flow_through_an_in_place_op_on_a_copied_view():
+    x = rand(4, 4)
+
+    def f(t):
+        y = t * 2
+        y.diagonal().mul_(3)
+        return (y ** 2).sum()
+    ref = x.clone().requires_grad_()
+    f(ref).backward()
+    d = distribute(x, spmd.Layout(["x", "y"], MESH)).requires_grad_()
+    loss = f(d)
+    loss.backward()
+    torch.testing.assert_close(gather(loss), f(x))
+    torch.testing.assert_close(gather(d.grad), ref.grad)
+
+
 def test_in_place_op_on_a_computed_view_is_refused(mesh22):
+    """A view copied by an op with no scatter to write it back (conj, a flattening across shards), or a view of
+    such a copy, refuses an in-place op before anything is written."""
     z = spmd.copy_to_mesh(torch.randn(4, 4, dtype=torch.complex128), spmd.Layout(["x", spmd.UNSHARDED], mesh22))
     with pytest.raises(spmd.UnsupportedOpError, match="in-place op on a view"):
         z.conj().add_(1)
+    x = spmd.copy_to_mesh(rand(4, 6), spmd.Layout(["x", "y"], mesh22))
+    flat = x.view(24)
+    for view in (flat, flat[:12], flat[2:5]):
+        before = gather(flat).clone()
+        with pytest.raises(spmd.UnsupportedOpError, match="in-place op on a view"):
+            view.add_(1)
+        assert torch.equal(gather(flat), before)
 
 
 @pytest.mark.parametrize("fn", [lambda t: t.cumsum(0), lambda t: t.cumprod(-1), lambda t: t.flip(0),

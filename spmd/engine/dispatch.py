@@ -52,7 +52,8 @@ class _Plan:
         self.out_steps = out_steps  # per output: the steps resolving its reduction now (before an epilogue), or None
         self.out_shapes = None  # the outputs' global shapes, filled by the first execution (unless value-shaped)
         self.mesh = mesh
-        # a view op whose input had to be relayouted: its outputs do not share memory with the input
+        # for a view op, whether its input had to be relayouted (its outputs do not share memory with the input);
+        # None for other ops
         self.copied_view = copied_view
         self.writes = decision.inplace or decision.rebinds
         # the kernel for one device's stack, where every input and output is replicated over the whole mesh: the
@@ -276,8 +277,12 @@ def _execute(plan: _Plan, func, args, kwargs, tensors):
     if plan.writes:
         return _execute_writing(plan, func, args, kwargs, tensors, locals_)
     out = plan.kernel(locals_, args, kwargs)
+    if plan.copied_view is None:  # (not a view op)
+        return _wrap(plan, out, locals_, args, kwargs)
     if plan.copied_view:
-        return _mark_copied(_wrap(plan, out, locals_, args, kwargs))
+        return _mark_copied(_wrap(plan, out, locals_, args, kwargs), func, args, kwargs)
+    if tensors[0]._copied_view:  # a view sharing the memory of a copied view
+        return _mark_copied(_wrap(plan, out, locals_, args, kwargs), None, (tensors[0],), {})
     return _wrap(plan, out, locals_, args, kwargs)
 
 
@@ -309,15 +314,46 @@ def _execute_writing(plan: _Plan, func, args, kwargs, tensors, locals_):
     """An op that writes its first input: in place, or an in-place view op that rebinds it."""
     target = tensors[0]
     if plan.decision.inplace and target._copied_view:
-        raise UnsupportedOpError(
-            f"in-place op on a view (shape {list(target.shape)}, layout {target._layout.sharding_specs}) that could "
-            "not share memory with its base because the base's layout had to change when the view was taken; the "
-            "update would not reach the base. Call .clone() on the view first, or relayout the base so the view "
-            "needs no relayout")
+        if not _writes_back(target) or plan.decision.rebinds:
+            raise UnsupportedOpError(
+                f"in-place op on a view (shape {list(target.shape)}, layout {target._layout.sharding_specs}) that "
+                "could not share memory with its base because the base's layout had to change when the view was "
+                "taken; the update would not reach the base. Call .clone() on the view first, or relayout the base "
+                "so the view needs no relayout")
+        plan.kernel(locals_, args, kwargs)  # into the view's own components
+        _write_back(target)
+        return target
     out = plan.kernel(locals_, args, kwargs)
     if plan.decision.rebinds:
         return _rebind(plan, target, out, func, args, kwargs)
     return target
+
+
+# view op -> the op that writes a view's values into its base (torch's own inverses, which functionalization uses)
+_SCATTERS = {torch.ops.aten.diagonal.default: torch.ops.aten.diagonal_scatter.default,
+             torch.ops.aten.select.int: torch.ops.aten.select_scatter.default,
+             torch.ops.aten.slice.Tensor: torch.ops.aten.slice_scatter.default,
+             torch.ops.aten.as_strided.default: torch.ops.aten.as_strided_scatter.default}
+
+
+def _writes_back(view: DTensor) -> bool:
+    """Whether a write into `view`, a copied view or a view sharing one's memory, can reach the tensor it was taken
+    from, through every copied view between them."""
+    while view._copied_view:
+        if view._view_of is None:
+            return False
+        view = view._view_of[0]
+    return True
+
+
+def _write_back(view: DTensor) -> None:
+    """An in-place op wrote into a view whose components are a copy (its base's layout had to change when it was
+    taken), or share a copy's memory: the copy's values go into its base through its view op's scatter, as torch's
+    functionalization writes a mutated view back (a base that is such a view itself writes on into its own)."""
+    while view._view_of[1] is None:
+        view = view._view_of[0]
+    base, func, rest, kwargs = view._view_of
+    dispatch(torch.ops.aten.copy_.default, (base, dispatch(_SCATTERS[func], (base, view, *rest), kwargs)))
 
 
 def _rebind(plan: _Plan, target: DTensor, local, func, args, kwargs) -> DTensor:
@@ -338,10 +374,15 @@ def _recorded(func, tensors, run):
     return out
 
 
-def _mark_copied(out):
+def _mark_copied(out, func, args, kwargs):
+    """The outputs of a view op whose components are a copy (`func` None: that share a copied view's memory,
+    `args[0]`). One with a scatter inverse, or sharing a copy's memory, remembers its base (and the view's
+    arguments), for an in-place op on it to write back (`_write_back`)."""
     for t in (out if isinstance(out, tuple) else (out,)):
         if isinstance(t, DTensor):
             t._copied_view = True
+            if func is None or func in _SCATTERS:
+                t._view_of = (args[0], func, args[1:], kwargs)
     return out
 
 
@@ -466,7 +507,7 @@ def _plan_from_decision(decision: Decision, call: OpCall, tensors, args, kwargs)
         backend_for(mesh)  # a mesh this process cannot communicate over fails here, not where it is consumed
     is_view = _returns_alias(call.func)
     return _Plan(decision, _kernel(decision, mesh, args, kwargs), settle, in_steps, out_layouts, out_pending,
-                 out_steps, mesh, copied_view=is_view and (bool(in_steps) or decision.copies),
+                 out_steps, mesh, copied_view=(bool(in_steps) or decision.copies) if is_view else None,
                  written=_written_inputs(call.func, args, kwargs, tensors) + decision.writes, reduce_op=reduce_op)
 
 
