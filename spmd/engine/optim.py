@@ -1,19 +1,19 @@
 """torch.optim over DTensor parameters: its updates run on the stacked components, whichever path it takes.
 
-torch.optim's updates come in three kinds: a for-loop over the parameters (`foreach=False`, plain torch's default
-on CPU), multi-tensor kernels (`foreach=True`, its default on CUDA) and fused kernels (`fused=True`). Where every op
-of an update is elementwise over the parameters (Adam, AdamW, SGD, Adagrad, RMSprop, Adamax, NAdam, RAdam, ASGD,
+torch.optim's updates come in three kinds: a for-loop over the parameters (`foreach=False`, plain torch's default on
+CPU), multi-tensor kernels (`foreach=True`, its default on CUDA) and fused kernels (`fused=True`). Where every op of
+an update is elementwise over the parameters (Adam, AdamW, SGD, Adagrad, RMSprop, Adamax, NAdam, RAdam, ASGD,
 Adadelta, Rprop: all but Adafactor, which factors its second moment over rows and columns), spmd hands the update
 the DTensors' stacked components instead: the for-loop is called with them in place of the tensor lists, and the
 multi-tensor and fused updates get them from torch's own grouping of the lists by device and dtype. The update then
-runs torch's own kernels on plain tensors: no DTensor dispatch per op and parameter, so its cost is plain torch's over
-tensors of the stacks' size, and the path torch picks by default is the one it picks for plain tensors (but for a
-controller mesh's parameters, which live on its workers: there the foreach update, one message per op). A value
-replicated over some mesh dims is updated once per group of devices holding it (the for-loop and foreach paths,
-on an in-process mesh, stacks of 64k elements or more): on the copies at coordinate 0 of those dims, then copied
-to the others. Lists that
-do not line up (a gradient laid out unlike its parameter, state not created yet, a plain tensor among DTensors) stay
-DTensors, and each op runs through the dispatcher (the multi-tensor ones through engine/foreach.py).
+runs torch's own kernels on plain tensors: no DTensor dispatch per op and parameter, so its cost is plain torch's
+over tensors of the stacks' size, and the path torch picks by default is the one it picks for plain tensors (but for
+a controller mesh's parameters, which live on its workers: there the foreach update, one message per op). A value
+replicated over some mesh dims is updated once per group of devices holding it (the for-loop and foreach paths, on
+an in-process mesh, stacks of 64k elements or more): on the copies at coordinate 0 of those dims, then copied to the
+others. Lists that do not line up (a gradient laid out unlike its parameter, state not created yet, a plain tensor
+among DTensors) stay DTensors, and each op runs through the dispatcher (the multi-tensor ones through
+engine/foreach.py).
 """
 
 from __future__ import annotations
