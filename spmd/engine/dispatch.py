@@ -276,14 +276,12 @@ def _execute(plan: _Plan, func, args, kwargs, tensors):
             tensors[i]._stack = locals_[i] = locals_[i].contiguous()
     if plan.writes:
         return _execute_writing(plan, func, args, kwargs, tensors, locals_)
-    out = plan.kernel(locals_, args, kwargs)
-    if plan.copied_view is None:  # (not a view op)
-        return _wrap(plan, out, locals_, args, kwargs)
+    out = _wrap(plan, plan.kernel(locals_, args, kwargs), locals_, args, kwargs)
     if plan.copied_view:
-        return _mark_copied(_wrap(plan, out, locals_, args, kwargs), func, args, kwargs)
-    if tensors[0]._copied_view:  # a view sharing the memory of a copied view
-        return _mark_copied(_wrap(plan, out, locals_, args, kwargs), None, (tensors[0],), {})
-    return _wrap(plan, out, locals_, args, kwargs)
+        return _mark_copied(out, func, args, kwargs)
+    if plan.copied_view is False and tensors[0]._copied_view:  # a view sharing the memory of a copied view
+        return _mark_copied(out, None, (tensors[0],), {})
+    return out
 
 
 def _execute_once(plan: _Plan, args, kwargs, tensors, locals_):
