@@ -224,22 +224,28 @@ class DTensor(torch.Tensor):
 
     def numpy(self, *, force: bool = False) -> np.ndarray:
         """The global value as a numpy array; only for a fully replicated DTensor, as in TF."""
-        if not self._layout.is_fully_replicated():
-            raise LayoutError(
-                f"Trying to copy a non-replicated DTensor to numpy is not supported (it would gather every "
-                f"shard onto the host). Layout: {self._layout.sharding_specs}, shape {list(self.shape)}. "
-                f"relayout it first: spmd.relayout(t, spmd.Layout.replicated(mesh, rank={self.dim()})).")
+        self._check_replicated("copy a non-replicated DTensor to numpy")
         return self._local[0].detach().cpu().numpy()
 
     def tolist(self):
         """The global value as (nested) Python lists; only for a fully replicated DTensor, as `numpy()`."""
+        self._check_replicated("turn a non-replicated DTensor into Python lists")
         return self.numpy().tolist()
+
+    def _check_replicated(self, what: str) -> None:
+        if not self._layout.is_fully_replicated():
+            raise LayoutError(
+                f"Trying to {what} is not supported (it would gather every shard onto the host). Layout: "
+                f"{self._layout.sharding_specs}, shape {list(self.shape)}. relayout it first: spmd.relayout(t, "
+                f"spmd.Layout.replicated(mesh, rank={self.dim()})), or take spmd.to_global(t).")
 
     def __deepcopy__(self, memo):
         if id(self) in memo:
             return memo[id(self)]
-        copy = DTensor.__new__(type(self), self._local.detach().clone(), self._layout, self.shape,
-                               self.requires_grad)
+        local = self._local.detach()
+        # (a copy that every device shares stays one)
+        local = share(one_copy(local).clone(), local.shape[0]) if shared(local) else local.clone()
+        copy = DTensor.__new__(type(self), local, self._layout, self.shape, self.requires_grad)
         skip = ("_stack", "_layout", "_key", "_pending", "_pending_op", "_grad_layout_hook", "_bucket")
         copy.__dict__.update({k: v for k, v in self.__dict__.items() if k not in skip})
         if copy.requires_grad:

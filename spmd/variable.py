@@ -106,6 +106,13 @@ class DVariable(DTensor):
             self.sub_(value)
         return self
 
+    def detach(self) -> "DVariable":
+        """A DVariable sharing this one's components, outside autograd (not a parameter). `nn.Parameter` asks a
+        tensor subclass for a detached instance of its own type: `model.to(device)` and `.float()`, which leave a
+        parameter as it is, wrap it anew."""
+        out = super().detach()
+        return DTensor.__new__(DVariable, out._stack, out._layout, out.shape, strides=out.stride())
+
     def read_value(self) -> DTensor:
         """A copy of the current value (differentiable)."""
         return torch.Tensor.clone(self)

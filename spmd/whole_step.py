@@ -13,10 +13,12 @@ call no DTensor op is dispatched and no guard runs but one comparison of the sta
 
 The contract is tf.function's: the step's Python runs when it is traced. A signature's first call runs eagerly (it
 creates the optimizer's state); its second is traced. It is traced again when the arguments' layouts, shapes or
-dtypes, the state's tensors, the modules' structure or training flags, or the optimizers' float settings (a new
-learning rate) differ from the trace's; a tensor setting (`lr=torch.tensor(...)`, which a schedule fills) is an
-input. Tensors it reads that are neither arguments nor state are captured as constants, as are Python values. Its
-results are detached: its backward ran inside.
+dtypes, the state's tensors' layouts, shapes or dtypes, which parameters require grad, the modules' structure or
+training flags, or the optimizers' float settings (a new learning rate) differ from the trace's; a tensor setting
+(`lr=torch.tensor(...)`, which a schedule fills) is an input. State tensors replaced by others like them
+(`optimizer.load_state_dict`) are what the graph reads and updates from then on. Tensors it reads that are neither
+arguments nor state are captured as constants, as are Python values. Its results are detached: its backward ran
+inside.
 """
 
 from __future__ import annotations
@@ -110,6 +112,16 @@ class _State:
         self.graded = [p for p in self.params if p.grad is not None]
         self.entry_grads = [p.grad for p in self.graded]  # (the objects the trace sees)
         self.submodules = list({id(sub): sub for m in modules for sub in m.modules()}.values())
+        self.identity = self._identity()
+
+    def _identity(self) -> tuple:
+        """Which containers hold the state, and which DTensors it is (a plain tensor, rebound by each step, is
+        read from its container at each call)."""
+        return tuple((id(holder), id(t) if isinstance(t, DTensor) else None) for holder, _, t in self._held())
+
+    def is_live(self) -> bool:
+        """Whether the modules and optimizers still hold this state (`load_state_dict` replaces it)."""
+        return self._identity() == self.identity
 
     def _held(self):
         for m in self.modules:
@@ -141,8 +153,8 @@ class _State:
     def key(self) -> tuple:
         """What a trace assumes of the state (its components are read at each call): each tensor's layout, shape,
         dtype and strides, the modules' structure and training flags, the optimizers' settings, and each gradient's
-        presence and layout."""
-        return (tuple(map(_dtensor_key, self.dtensors)),
+        presence and layout, and which parameters require grad."""
+        return (tuple(map(_dtensor_key, self.dtensors)), tuple(p.requires_grad for p in self.params),
                 tuple(_plain_key(holder.get(k)) for holder, k in self.slots),
                 tuple((m.training, *map(id, m._parameters.values()), *map(id, m._buffers.values()),
                        *map(id, m._modules.values())) for m in self.submodules),  # (a replaced submodule too)
@@ -254,17 +266,17 @@ class _Trace:
         self.rebinds, self.grads = outputs["rebinds"], outputs["grads"]
 
     def run(self, leaves: list):
-        state = self.state
+        state = self.state  # (the live state: possibly another `_State` of the same key than the traced one)
         inputs = state.components()
         inputs += [_component(t) if isinstance(t, DTensor) else t for t in leaves if isinstance(t, torch.Tensor)]
         outs = iter(self.compiled(*inputs))
         results = [_own(next(outs)) if kind == "tensor" else _rebuilt(_own(next(outs)), meta) if kind == "dtensor"
                    else meta for kind, meta in self.results]
-        for target, sharers in self.rebinds:
-            if isinstance(target, DTensor):
-                target._settle(_restacked(next(outs), sharers))
+        for i, sharers in self.rebinds:  # (a state DTensor's index, or a plain tensor's slot's after them)
+            if i < len(state.dtensors):
+                state.dtensors[i]._settle(_restacked(next(outs), sharers))
             else:
-                holder, k = target
+                holder, k = state.slots[i - len(state.dtensors)]
                 holder[k] = next(outs)
         for p, meta in zip(state.params, self.grads):
             if meta is not _KEEP:
@@ -292,7 +304,12 @@ class WholeStep:
         leaves, spec = _flatten(args, kwargs)
         signature = (spec, *map(_leaf_key, leaves))
         state, traces = self._traces.get(signature, (None, {}))
+        live = state is None or state.is_live()
+        if not live:  # the modules or optimizers hold other state tensors now
+            state = _State(*_roots(self._fn, args, kwargs))
         trace = traces.get(state.key()) if state is not None else None
+        if trace is not None and not live:
+            trace.state = state  # (the same graph over the state they hold now)
         if trace is None:
             if signature not in self._seen or self.count >= self._max:  # eagerly: creates the optimizer's state
                 if self.count >= self._max and signature in self._seen:
@@ -420,18 +437,18 @@ class WholeStep:
                 results.append(("value", r))
         outputs["results"], outputs["rebinds"], outputs["grads"] = results, [], []
         given = iter(components)
-        for t, mine in zip(state.dtensors, given):
+        for i, (t, mine) in enumerate(zip(state.dtensors, given)):
             now = _component(t)
             if now is not mine:  # rebound, not updated in place
                 flat.append(now)
-                outputs["rebinds"].append((t, _sharers(t)))
-        for holder, k in state.slots:
+                outputs["rebinds"].append((i, _sharers(t)))
+        for j, (holder, k) in enumerate(state.slots, len(state.dtensors)):
             if holder.get(k) is not next(given):
                 if not isinstance(holder.get(k), torch.Tensor):
                     raise TraceError(f"spmd.function(whole_step=True): the step replaced the tensor {k!r} of an "
                                      "optimizer's state or a module's buffers with a non-tensor")
                 flat.append(holder[k])
-                outputs["rebinds"].append(((holder, k), None))
+                outputs["rebinds"].append((j, None))
         entry = {id(g): mine for g, mine in zip(state.entry_grads, given)}
         for p in state.params:
             g = p.grad

@@ -15,6 +15,7 @@ import spmd
 from spmd import UNSHARDED, Layout, LayoutMap
 from spmd import random as srandom
 from spmd.engine import planner
+from sweep import issued
 
 U = UNSHARDED
 MODELS_DOC = pathlib.Path(__file__).resolve().parent.parent / "docs" / "models.md"
@@ -191,6 +192,44 @@ def test_redistributing_relayouts_existing_dvariables():
     spmd.distribute_module(model, mesh, MLP_MAP)
     assert specs(model.fc1.weight) == ["model", U]
     assert torch.equal(global_value(model.fc1.weight), before)
+
+
+def test_moving_or_casting_a_distributed_module_to_what_it_already_is_keeps_its_parameters():
+    """`model.to(device)`, `.cpu()`, `.float()`: nn.Module wraps every parameter anew (as `nn.Parameter` of the same
+    tensor subclass); each stays the same DVariable, with its layout and its gradient's."""
+    mesh = mesh22()
+    model = spmd.distribute_module(MLP(), mesh, MLP_MAP)
+    weight = model.fc1.weight
+    model.to("cpu").cpu().float().to(torch.float32)
+    assert model.fc1.weight is weight and isinstance(weight, spmd.DVariable) and specs(weight) == ["model", U]
+    model(spmd.copy_to_mesh(torch.randn(4, 8), Layout(["batch", U], mesh))).sum().backward()
+    assert specs(weight.grad) == ["model", U]
+
+
+def test_inference_mode_runs_the_same_sharded_plan_as_no_grad():
+    """Under `torch.inference_mode()` torch leaves composite ops (`linear`, `batch_norm`) whole: they run as the ops
+    they are made of, not replicated (a Megatron MLP: one all-reduce over `model`)."""
+    mesh = mesh22()
+    torch.manual_seed(0)
+    plain = MLP()
+    model = spmd.distribute_module(copy.deepcopy(plain), mesh, MLP_MAP)
+    x = torch.randn(4, 8)
+    dx = spmd.copy_to_mesh(x, Layout(["batch", U], mesh))
+    with torch.inference_mode():
+        out, collectives = issued(lambda: model(dx))
+    assert collectives == [("all_reduce", ("model",))]
+    torch.testing.assert_close(spmd.to_global(out), plain(x))
+
+
+def test_spectral_norm_runs_on_a_distributed_module():
+    """torch's power iteration writes through `out=`: the functional op, copied into the DTensor."""
+    mesh = mesh22()
+    torch.manual_seed(0)
+    plain = nn.utils.parametrizations.spectral_norm(nn.Linear(8, 4))
+    model = spmd.distribute_module(copy.deepcopy(plain), mesh)
+    x = torch.randn(4, 8)
+    out = model(spmd.copy_to_mesh(x, Layout(["batch", U], mesh)))
+    torch.testing.assert_close(spmd.to_global(out), plain(x))
 
 
 # -- meta models ---------------------------------------------------------------------------------------------------

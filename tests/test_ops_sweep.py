@@ -275,6 +275,7 @@ def test_op(case):
     assert check_op(fn, inputs, layouts=layouts[0] if layouts else None) >= 1
 
 
+MESH_LINE = spmd.create_mesh([("x", 2)])
 MESH_2x4 = spmd.create_mesh([("x", 2), ("y", 4)])
 MESH_2x2x2 = spmd.create_mesh([("a", 2), ("b", 2), ("c", 2)])
 
@@ -286,6 +287,15 @@ def test_op_other_meshes(case, mesh):
     """The same ops on meshes with more or larger dims, on a sample of the layout combinations."""
     fn, inputs, *_ = case
     assert check_op(fn, inputs, mesh=mesh, sample=6) >= 1
+
+
+@pytest.mark.parametrize("case", [pytest.param(v.values[0], id=k, marks=v.marks) if hasattr(v, "marks")
+                                  else pytest.param(v, id=k) for k, v in CASES.items()])
+def test_op_line_mesh(case):
+    """The same ops on a 1-D mesh, every layout combination: there a gathered value is replicated over the whole
+    mesh, held as one copy that every device shares (a stride-0 stack), which 2-D meshes rarely reach."""
+    fn, inputs, *_ = case
+    assert check_op(fn, inputs, mesh=MESH_LINE) >= 1
 
 
 @pytest.mark.parametrize("mesh", [MESH, MESH_2x2x2], ids=["2x2", "2x2x2"])
@@ -578,15 +588,20 @@ WRITES_THROUGH_VIEWS = {
     "[1:3, 1:3].diagonal().add_": lambda t: t[1:3, 1:3].diagonal().add_(1.0),  # a view of a view
     "[:, 1:4][0].zero_": lambda t: t[:, 1:4][0].zero_(),
     "as_strided().mul_": lambda t: t.as_strided((2, 2), (1, 6), 1).mul_(3),
+    "[0, 1] = 7.0": lambda t: t.__setitem__((0, 1), 7.0),  # (torch: copy_ from a plain 0-d tensor)
+    "[3][2] = -1.0": lambda t: t[3].__setitem__(2, -1.0),
+    "[:, 0] = 2.5": lambda t: t.__setitem__((slice(None), 0), 2.5),
 }
 
 
-@pytest.mark.parametrize("layout", all_layouts(MESH, (4, 6)), ids=lambda l: ",".join(l.sharding_specs))
+@pytest.mark.parametrize("layout", all_layouts(MESH, (4, 6)) + all_layouts(MESH_LINE, (4, 6)),
+                         ids=lambda l: "x".join(map(str, l.mesh.shape())) + ":" + ",".join(l.sharding_specs))
 @pytest.mark.parametrize("name", list(WRITES_THROUGH_VIEWS))
 def test_an_in_place_op_on_a_view_reaches_its_base_in_every_layout(name, layout):
     """A view that needed a relayout (a diagonal, row or column block across shards) holds a copy; an in-place op
     on it writes the copy back into its base through the view's scatter (diagonal_scatter, select_scatter, ...),
-    as torch's functionalization does: the base keeps its layout and every component equals plain torch's."""
+    as torch's functionalization does: the base keeps its layout and every component equals plain torch's. (On a
+    1-D mesh the copy is one that every device shares, written once.)"""
     fn, x = WRITES_THROUGH_VIEWS[name], rand(4, 6)
     want = x.clone()
     fn(want)
@@ -626,6 +641,44 @@ def test_in_place_op_on_a_computed_view_is_refused(mesh22):
         with pytest.raises(spmd.UnsupportedOpError, match="in-place op on a view"):
             view.add_(1)
         assert torch.equal(gather(flat), before)
+
+
+def test_in_place_op_on_a_flattened_copy_shared_by_every_device_is_refused():
+    """On a 1-D mesh a view that gathers is one copy every device shares: an in-place op on it, which could not
+    reach the base, is refused as on other meshes, not run once and lost."""
+    x = spmd.copy_to_mesh(rand(4, 6), spmd.Layout([spmd.UNSHARDED, "x"], MESH_LINE))
+    before = gather(x).clone()
+    with pytest.raises(spmd.UnsupportedOpError, match="in-place op on a view"):
+        x.view(24).zero_()
+    assert torch.equal(gather(x), before)
+
+
+def test_out_variants_write_the_functional_result_into_out_in_its_layout():
+    """`op(..., out=t)` (torch's own `F.normalize(..., out=)` in spectral norm's power iteration): the functional op,
+    then a copy into `t`, which keeps its layout; a result of another shape is refused."""
+    x, y = rand(4, 4), rand(4, 4, seed=1)
+    dx, dy = distribute(x, spmd.Layout(["x", spmd.UNSHARDED], MESH)), distribute(y, spmd.Layout(["y", "x"], MESH))
+    out = distribute(torch.zeros(4, 4, dtype=x.dtype), spmd.Layout([spmd.UNSHARDED, "y"], MESH))
+    assert torch.div(dx, dy, out=out) is out
+    torch.testing.assert_close(gather(out), x / y)
+    F.normalize(dx, dim=1, out=out)
+    torch.testing.assert_close(gather(out), F.normalize(x, dim=1))
+    assert spmd.fetch_layout(out).sharding_specs == [spmd.UNSHARDED, "y"]
+    with pytest.raises(spmd.UnsupportedOpError, match="out="):
+        torch.sum(dx, 0, out=out)
+
+
+def test_kernels_that_want_torchs_own_strides_get_them_from_a_gathered_axis():
+    """A gather on a 1-D mesh leaves the shared copy's memory in the devices' order (the gathered axis not the
+    fastest-moving one): attention's fused CPU kernels (a head dim of one column per device), group norm's (one
+    channel per device) and a convolution's bias added after its sum over input channels get what plain torch gives
+    them."""
+    check_op(F.scaled_dot_product_attention, [rand(1, 2, 4, 2), rand(1, 2, 4, 2, seed=1), rand(1, 2, 4, 2, seed=2)],
+             mesh=MESH_LINE)
+    check_op(lambda x: F.group_norm(x, 2), [rand(3, 2, 5)], mesh=MESH_LINE)
+    check_op(lambda x, w, b: F.conv1d(x, w, b), [rand(2, 4, 5), rand(3, 4, 3, seed=1), rand(3, seed=2)], mesh=MESH_LINE)
+    check_op(lambda x, w, b: F.conv_transpose1d(x, w, b), [rand(2, 4, 5), rand(4, 3, 3, seed=1), rand(3, seed=2)],
+             mesh=MESH_LINE)
 
 
 @pytest.mark.parametrize("fn", [lambda t: t.cumsum(0), lambda t: t.cumprod(-1), lambda t: t.flip(0),

@@ -4,6 +4,7 @@ traced once, and again exactly when what it assumed changes; `explain` lists the
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -281,6 +282,42 @@ def test_a_module_put_in_eval_mode_retraces():
         loss = whole(x, y)
     assert whole.experimental_get_tracing_count() == 2
     torch.testing.assert_close(loss.item(), model(x, y).item())
+
+
+def test_an_optimizer_state_loaded_from_a_checkpoint_is_what_the_step_updates():
+    """`optimizer.load_state_dict` replaces the state's tensors: the graph reads and updates the new ones (no
+    retrace), so resuming from a snapshot repeats the losses after it, as eager spmd does."""
+    mesh = spmd.create_mesh([("batch", 2)])
+    model, opt, step = _setup(mesh, OPTIMIZERS["adamw"])
+    whole = spmd.function(step, backend="aot_eager", whole_step=True)
+    batches = _batches(mesh, 6)
+    for x, y in batches[:3]:
+        whole(x, y)
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    moments = copy.deepcopy(opt.state_dict())
+    first = [gather(whole(x, y)) for x, y in batches[3:]]
+    model.load_state_dict(weights)
+    opt.load_state_dict(moments)
+    again = [gather(whole(x, y)) for x, y in batches[3:]]
+    torch.testing.assert_close(again, first, rtol=0, atol=0)
+    assert whole.experimental_get_tracing_count() == 1
+    assert opt.state[next(model.parameters())]["step"].item() == 6
+
+
+def test_a_frozen_parameter_retraces_and_is_left_as_it_is():
+    mesh = spmd.create_mesh([("batch", 2)])
+    model, _, step = _setup(mesh, OPTIMIZERS["sgd_momentum"])
+    whole = spmd.function(step, backend="aot_eager", whole_step=True)
+    batches = _batches(mesh, 5)
+    for x, y in batches[:3]:
+        whole(x, y)
+    model.w1.weight.requires_grad_(False)
+    frozen = gather(model.w1.weight).clone()
+    with pytest.warns(UserWarning, match="traces the step again"):
+        whole(*batches[3])
+    whole(*batches[4])
+    assert torch.equal(gather(model.w1.weight), frozen)
+    assert whole.experimental_get_tracing_count() == 2
 
 
 def test_a_method_of_a_module_is_a_step_over_its_own_parameters():

@@ -129,6 +129,10 @@ def torch_dispatch(cls, func, types, args=(), kwargs=None):
         blind = _float_blind(func)
     if blind is _MULTI_TENSOR:
         return _multi_tensor(func, args, kwargs or {})
+    if blind is _COMPOSITE:
+        return func.decompose(*args, **(kwargs or {}))
+    if blind is _OUT_VARIANT:
+        return _into_out(func, args, kwargs)
     try:
         for a in args:  # the common argument kinds inline; the rest through _sig
             if isinstance(a, DTensor):
@@ -140,11 +144,11 @@ def torch_dispatch(cls, func, types, args=(), kwargs=None):
                 key.append(_sig(a, tensors, blind))
         if kwargs:
             key.append(tuple([(k, _sig(v, tensors, blind)) for k, v in kwargs.items()]))
-    except MixedTensorError:
+    except MixedTensorError as e:
         if func is torch.ops.aten.copy_.default and isinstance(args[0], DTensor):
             return _copy_from_plain(func, args, kwargs)
         if not (_replicates_plain() or _small_integers(args, kwargs)):
-            raise
+            raise MixedTensorError(f"{func}: {e}") from None
         if _writes_plain(func, args):
             raise MixedTensorError(f"{func} writes into a plain tensor of shape {list(args[0].shape)} with DTensor "
                                    "inputs; a DTensor result cannot go there: write into a DTensor "
@@ -184,16 +188,41 @@ dtensor.install_engine(sys.modules[__name__])
 # id(op) -> whether its plan ignores the values of float arguments (see engine/registry.py), or _MULTI_TENSOR
 _FLOAT_BLIND: dict = {}
 _MULTI_TENSOR = "multi-tensor"  # a foreach or fused op: no plan of its own (see engine/foreach.py)
+# a composite op without a rule of its own, run as the ops it is made of: torch decomposes such ops above the
+# DTensor's dispatch key, except where the autograd keys are skipped (`torch.inference_mode`)
+_COMPOSITE = "composite"
+_OUT_VARIANT = "out="  # an op writing its one result into `out=`: the functional op, then a copy into `out`
 
 
 def _float_blind(func):
+    entry = registry.lookup(func)
     if foreach.is_multi_tensor(func):
         blind = _MULTI_TENSOR
+    elif entry is None and torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd"):
+        blind = _COMPOSITE
+    elif _writes_out(func):
+        blind = _OUT_VARIANT
     else:
-        entry = registry.lookup(func)
         blind = entry is not None and entry.floats_at_run_time
     _FLOAT_BLIND[id(func)] = blind
     return blind
+
+
+def _writes_out(func) -> bool:
+    schema = func._schema
+    return len(schema.returns) == 1 and any(a.name == "out" and a.kwarg_only and a.alias_info is not None
+                                            and a.alias_info.is_write for a in schema.arguments)
+
+
+def _into_out(func, args, kwargs):
+    """`op(..., out=t)` as torch's functional form of the op, copied into `t` (a DTensor keeps its layout)."""
+    kwargs = dict(kwargs)
+    out = kwargs.pop("out")
+    result = func.overloadpacket(*args, **kwargs)
+    if not isinstance(out, DTensor) or out.shape != result.shape:
+        raise UnsupportedOpError(f"{func} into out= of shape {list(out.shape)} ({type(out).__name__}) for a result "
+                                 f"of shape {list(result.shape)}: use the functional form")
+    return out.copy_(result)
 
 
 def _multi_tensor(func, args, kwargs):
@@ -287,9 +316,14 @@ def _execute(plan: _Plan, func, args, kwargs, tensors):
 def _execute_once(plan: _Plan, args, kwargs, tensors, locals_):
     """A replicated op runs on the first device's components (every device holds the same); its outputs are that
     one copy, shared by every device. An in-place op writes the one copy its target shares."""
-    out = plan.once([one_copy(x) for x in locals_], args, kwargs)
     if plan.writes:
-        return tensors[0]
+        target = tensors[0]
+        _check_written_view(plan, target)
+        plan.once([one_copy(x) for x in locals_], args, kwargs)
+        if target._copied_view:
+            _write_back(target)
+        return target
+    out = plan.once([one_copy(x) for x in locals_], args, kwargs)
     n = locals_[0].shape[0]
 
     def shared_by_all(o):
@@ -312,12 +346,7 @@ def _execute_writing(plan: _Plan, func, args, kwargs, tensors, locals_):
     """An op that writes its first input: in place, or an in-place view op that rebinds it."""
     target = tensors[0]
     if plan.decision.inplace and target._copied_view:
-        if not _writes_back(target) or plan.decision.rebinds:
-            raise UnsupportedOpError(
-                f"in-place op on a view (shape {list(target.shape)}, layout {target._layout.sharding_specs}) that "
-                "could not share memory with its base because the base's layout had to change when the view was "
-                "taken; the update would not reach the base. Call .clone() on the view first, or relayout the base "
-                "so the view needs no relayout")
+        _check_written_view(plan, target)
         plan.kernel(locals_, args, kwargs)  # into the view's own components
         _write_back(target)
         return target
@@ -325,6 +354,17 @@ def _execute_writing(plan: _Plan, func, args, kwargs, tensors, locals_):
     if plan.decision.rebinds:
         return _rebind(plan, target, out, func, args, kwargs)
     return target
+
+
+def _check_written_view(plan: _Plan, target: DTensor) -> None:
+    """Refuses an in-place op on a copied view (or a view sharing one's memory) whose write could not reach its
+    base: a view copied by an op with no scatter inverse, or an in-place view op rebinding it."""
+    if target._copied_view and (not _writes_back(target) or plan.decision.rebinds):
+        raise UnsupportedOpError(
+            f"in-place op on a view (shape {list(target.shape)}, layout {target._layout.sharding_specs}) that "
+            "could not share memory with its base because the base's layout had to change when the view was "
+            "taken; the update would not reach the base. Call .clone() on the view first, or relayout the base "
+            "so the view needs no relayout")
 
 
 # view op -> the op that writes a view's values into its base (torch's own inverses, which functionalization uses)

@@ -16,6 +16,7 @@ import math
 
 import torch
 
+from spmd.collectives.local import one_copy, shared
 from spmd.engine.decision import Decision, OpCall
 from spmd.engine.registry import register
 from spmd.engine.rules.common import replace_tensors
@@ -80,7 +81,11 @@ def convolution_rule(call: OpCall) -> Decision:
     bias_view = (conv.num_local,) + ((1,) if conv.batched else ()) + (-1,) + (1,) * (specs[1].rank - 2)
 
     def add_bias(outs, locals_, args, kwargs):  # once, after the sum over input channels
-        return [outs[0].add_(locals_[2].view(bias_view))]
+        out, bias = outs[0], locals_[2].view(bias_view)
+        if shared(out):  # a sum over the whole mesh: one copy that every device shares, and so is the bias
+            one_copy(out).add_(bias[:1])
+            return [out]
+        return [out.add_(bias)]
     return Decision(inputs, (conv.out_axes,), lambda l, a, k: conv.forward(l[0], l[1], None), reduce=reduce,
                     epilogue=add_bias)
 

@@ -234,7 +234,8 @@ def _masked_put(call: OpCall, inplace: bool) -> Decision:
         return decision
     if any(call.specs[0].axes):
         raise unsupported(call, "a boolean mask writes values in the order of the whole mask, so the target must "
-                                "be replicated; relayout it first, or use torch.where / masked_fill")
+                                "be replicated; relayout it first, or use torch.where / masked_fill (`x[mask] += v`: "
+                                "`x = torch.where(mask, x + v, x)`)")
     return dataclasses.replace(decision, inplace=True,
                                kernel=lambda l, a, k: l[0].copy_(decision.kernel(l, a, k)))
 

@@ -271,8 +271,9 @@ def attention_rule(call: OpCall) -> Decision:
     masked = "mask" in kinds  # (its views are shaped by the batch axes' blocks)
 
     def local(x, kind):
-        if kind == "head":  # (stack * B, H, ...): the kernels want 4-D operands
-            return x.flatten(0, 1)
+        if kind == "head":  # (stack * B, H, ...): the kernels want 4-D operands, and (as torch's own front end
+            x = x.flatten(0, 1)  # gives them) a last dim of stride 1: a gathered head dim may not have it
+            return x if x.stride(-1) == 1 else x.contiguous()
         return x.view(mask_view).expand(mask_full).flatten(0, 1) if kind == "mask" else x[0]
 
     def kernel(l, a, k):
@@ -436,8 +437,9 @@ def group_norm_rule(call: OpCall) -> Decision:
     def kernel(l, a, k):
         xl, rest = l[0], iter(l[1:])
         weight, bias = (next(rest)[0] if h else None for h in has)
-        out, mean, rstd = aten.native_group_norm.default(xl.flatten(0, 1), weight, bias, xl.shape[0] * xl.shape[1],
-                                                         *a[4:])
+        # (the kernel wants contiguous input, as torch's group_norm gives it: a gathered channel axis is not)
+        out, mean, rstd = aten.native_group_norm.default(xl.flatten(0, 1).contiguous(), weight, bias,
+                                                         xl.shape[0] * xl.shape[1], *a[4:])
         per_device = (xl.shape[0], -1)
         return out.view(xl.shape), mean.unflatten(0, per_device), rstd.unflatten(0, per_device)
     stats = (x.axes[0], None)
@@ -462,7 +464,8 @@ def group_norm_backward_rule(call: OpCall) -> Decision:
         gx = None
         if mask[0]:
             gx = aten.native_group_norm_backward.default(
-                g.flatten(0, 1), xl.flatten(0, 1), mean.flatten(0, 1), rstd.flatten(0, 1), weight, n_local * n,
+                g.flatten(0, 1).contiguous(), xl.flatten(0, 1).contiguous(), mean.flatten(0, 1), rstd.flatten(0, 1),
+                weight, n_local * n,
                 xl.shape[2], a[7], groups, [True, False, False])[0].view(xl.shape)
         grouped = (n_local, n, groups, -1)  # (L, N, G, C/G * spatial)
         gg = g.reshape(grouped)

@@ -188,6 +188,9 @@ def to_copy_rule(call: OpCall) -> Decision:
 
 @register(aten.copy_.default, blockwise=True)
 def copy_rule(call: OpCall) -> Decision:
+    if len(call.specs) == 1:  # from a plain 0-d tensor (`x[0, 1] = 7.0`): a scalar every device writes
+        dst = call.specs[0]
+        return Decision((dst.axes,), (dst.axes,), generic_kernel(call.func), inplace=True)
     dst, src = call.specs
     inputs, pads = aligned_inputs([dst, src], dst.axes, dst.shape)
     return Decision(inputs, (dst.axes,), generic_kernel(call.func, pads=pads), inplace=True)
