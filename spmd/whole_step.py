@@ -266,7 +266,7 @@ class _Trace:
         self.rebinds, self.grads = outputs["rebinds"], outputs["grads"]
 
     def run(self, leaves: list):
-        state = self.state  # (the live state: possibly another `_State` of the same key than the traced one)
+        state = self.state  # (the live state: possibly another `_State` of the same key as the traced one)
         inputs = state.components()
         inputs += [_component(t) if isinstance(t, DTensor) else t for t in leaves if isinstance(t, torch.Tensor)]
         outs = iter(self.compiled(*inputs))

@@ -284,38 +284,39 @@ def test_a_module_put_in_eval_mode_retraces():
     torch.testing.assert_close(loss.item(), model(x, y).item())
 
 
+def _traced(make_opt, n: int):
+    """(model, optimizer, its step under whole_step after 3 calls: traced, `n` more batches) on a 2-device mesh."""
+    mesh = spmd.create_mesh([("batch", 2)])
+    model, opt, step = _setup(mesh, make_opt)
+    whole = spmd.function(step, backend="aot_eager", whole_step=True)
+    batches = _batches(mesh, 3 + n)
+    for x, y in batches[:3]:
+        whole(x, y)
+    return model, opt, whole, batches[3:]
+
+
 def test_an_optimizer_state_loaded_from_a_checkpoint_is_what_the_step_updates():
     """`optimizer.load_state_dict` replaces the state's tensors: the graph reads and updates the new ones (no
     retrace), so resuming from a snapshot repeats the losses after it, as eager spmd does."""
-    mesh = spmd.create_mesh([("batch", 2)])
-    model, opt, step = _setup(mesh, OPTIMIZERS["adamw"])
-    whole = spmd.function(step, backend="aot_eager", whole_step=True)
-    batches = _batches(mesh, 6)
-    for x, y in batches[:3]:
-        whole(x, y)
+    model, opt, whole, batches = _traced(OPTIMIZERS["adamw"], 3)
     weights = {k: v.clone() for k, v in model.state_dict().items()}
     moments = copy.deepcopy(opt.state_dict())
-    first = [gather(whole(x, y)) for x, y in batches[3:]]
+    first = [gather(whole(x, y)) for x, y in batches]
     model.load_state_dict(weights)
     opt.load_state_dict(moments)
-    again = [gather(whole(x, y)) for x, y in batches[3:]]
+    again = [gather(whole(x, y)) for x, y in batches]
     torch.testing.assert_close(again, first, rtol=0, atol=0)
     assert whole.experimental_get_tracing_count() == 1
     assert opt.state[next(model.parameters())]["step"].item() == 6
 
 
 def test_a_frozen_parameter_retraces_and_is_left_as_it_is():
-    mesh = spmd.create_mesh([("batch", 2)])
-    model, _, step = _setup(mesh, OPTIMIZERS["sgd_momentum"])
-    whole = spmd.function(step, backend="aot_eager", whole_step=True)
-    batches = _batches(mesh, 5)
-    for x, y in batches[:3]:
-        whole(x, y)
+    model, _, whole, batches = _traced(OPTIMIZERS["sgd_momentum"], 2)
     model.w1.weight.requires_grad_(False)
     frozen = gather(model.w1.weight).clone()
     with pytest.warns(UserWarning, match="traces the step again"):
-        whole(*batches[3])
-    whole(*batches[4])
+        whole(*batches[0])
+    whole(*batches[1])
     assert torch.equal(gather(model.w1.weight), frozen)
     assert whole.experimental_get_tracing_count() == 2
 

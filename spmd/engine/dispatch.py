@@ -185,7 +185,8 @@ def _sole_holder(tensor: DTensor) -> bool:
 
 dtensor.install_engine(sys.modules[__name__])
 
-# id(op) -> whether its plan ignores the values of float arguments (see engine/registry.py), or _MULTI_TENSOR
+# id(op) -> whether its plan ignores the values of float arguments (see engine/registry.py), or how it runs
+# without a plan of its own: _MULTI_TENSOR, _COMPOSITE, _OUT_VARIANT
 _FLOAT_BLIND: dict = {}
 _MULTI_TENSOR = "multi-tensor"  # a foreach or fused op: no plan of its own (see engine/foreach.py)
 # a composite op without a rule of its own, run as the ops it is made of: torch decomposes such ops above the
@@ -372,6 +373,9 @@ _SCATTERS = {torch.ops.aten.diagonal.default: torch.ops.aten.diagonal_scatter.de
              torch.ops.aten.select.int: torch.ops.aten.select_scatter.default,
              torch.ops.aten.slice.Tensor: torch.ops.aten.slice_scatter.default,
              torch.ops.aten.as_strided.default: torch.ops.aten.as_strided_scatter.default}
+# view ops that reshape their whole base: a view's values, shaped back, are the base's
+_RESHAPES = frozenset({torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
+                       torch.ops.aten.reshape.default, torch.ops.aten._reshape_alias.default})
 
 
 def _writes_back(view: DTensor) -> bool:
@@ -386,12 +390,17 @@ def _writes_back(view: DTensor) -> bool:
 
 def _write_back(view: DTensor) -> None:
     """An in-place op wrote into a view whose components are a copy (its base's layout had to change when it was
-    taken), or share a copy's memory: the copy's values go into its base through its view op's scatter, as torch's
-    functionalization writes a mutated view back (a base that is such a view itself writes on into its own)."""
+    taken), or share a copy's memory: the copy's values go into its base through its view op's scatter (a reshape's:
+    the values shaped back), as torch's functionalization writes a mutated view back (a base that is such a view
+    itself writes on into its own)."""
     while view._view_of[1] is None:
         view = view._view_of[0]
     base, func, rest, kwargs = view._view_of
-    dispatch(torch.ops.aten.copy_.default, (base, dispatch(_SCATTERS[func], (base, view, *rest), kwargs)))
+    if func in _RESHAPES:
+        value = dispatch(torch.ops.aten.view.default, (view, list(base.shape)))
+    else:
+        value = dispatch(_SCATTERS[func], (base, view, *rest), kwargs)
+    dispatch(torch.ops.aten.copy_.default, (base, value))
 
 
 def _rebind(plan: _Plan, target: DTensor, local, func, args, kwargs) -> DTensor:
@@ -419,7 +428,7 @@ def _mark_copied(out, func, args, kwargs):
     for t in (out if isinstance(out, tuple) else (out,)):
         if isinstance(t, DTensor):
             t._copied_view = True
-            if func is None or func in _SCATTERS:
+            if func is None or func in _SCATTERS or func in _RESHAPES:
                 t._view_of = (args[0], func, args[1:], kwargs)
     return out
 
