@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import operator
+import traceback
 import warnings
 from typing import Any, Callable
 
@@ -380,7 +381,9 @@ class WholeStep:
         except Exception as e:
             if type(e).__module__.startswith("spmd."):
                 raise
-            raise self._error(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+            where = _reading_line(e)
+            raise self._error(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                              + (f" (at {where})" if where else "")) from e
         if any(n.target is torch.ops.aten._local_scalar_dense.default for n in gm.graph.nodes):
             raise self._error("it reads a tensor's value in Python")
         written = _written_constants(gm)
@@ -460,6 +463,14 @@ class WholeStep:
                 flat.append(_component(g))
                 outputs["grads"].append(_meta(g))
         return tuple(flat)
+
+
+def _reading_line(e: Exception) -> str | None:
+    """The line of the traced step (the user's, or a torch module's: BatchNorm's `float(num_batches_tracked)`) where
+    a trace failed, skipping torch's and spmd's own machinery."""
+    internal = ("/torch/_", "/torch/fx/", "/torch/utils/", "/torch/autograd/", "/spmd/")
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if not any(p in f.filename for p in internal)]
+    return f"{frames[-1].filename}:{frames[-1].lineno}: {frames[-1].line}" if frames else None
 
 
 def _written_constants(gm) -> list[torch.Tensor]:

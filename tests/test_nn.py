@@ -232,6 +232,59 @@ def test_spectral_norm_runs_on_a_distributed_module():
     torch.testing.assert_close(spmd.to_global(out), plain(x))
 
 
+def test_a_single_device_optimizer_state_loads_laid_out_like_the_parameters():
+    """`optimizer.load_state_dict` of a plain model's optimizer: each state tensor takes its parameter's layout, and
+    training goes on as the plain model's does."""
+    mesh = mesh22()
+    torch.manual_seed(0)
+    plain = MLP()
+    x, y = torch.randn(4, 8), torch.randn(4, 4)
+    plain_opt = torch.optim.Adam(plain.parameters(), lr=0.1)
+    F.mse_loss(plain(x), y).backward()
+    plain_opt.step()
+    model = spmd.distribute_module(copy.deepcopy(plain), mesh, MLP_MAP)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    opt.load_state_dict(copy.deepcopy(plain_opt.state_dict()))  # (torch shares the step counts otherwise)
+    assert specs(opt.state[model.fc1.weight]["exp_avg"]) == ["model", U]
+    for o, m, inputs in ((plain_opt, plain, (x, y)), (opt, model, [spmd.copy_to_mesh(t, Layout(["batch", U], mesh))
+                                                                 for t in (x, y)])):
+        o.zero_grad()
+        F.mse_loss(m(inputs[0]), inputs[1]).backward()
+        o.step()
+    for p, q in zip(model.parameters(), plain.parameters()):
+        torch.testing.assert_close(global_value(p), q.detach())
+
+
+def test_a_parameter_added_after_distribute_module_is_named_at_its_first_use():
+    """Its gradient would be a DTensor a plain parameter cannot hold: the op that meets it says so."""
+    mesh = mesh22()
+    model = spmd.distribute_module(MLP(), mesh, MLP_MAP)
+    model.scale = nn.Parameter(torch.ones(4))
+    out = model(spmd.copy_to_mesh(torch.randn(4, 8), Layout(["batch", U], mesh)))
+    with pytest.raises(spmd.MixedTensorError, match=r"shape \[4\] that requires grad .* after distribute_module"):
+        with spmd.implicit_replication():
+            out * model.scale
+
+
+@pytest.mark.parametrize("table", [[U, U], ["model", U]], ids=["replicated", "vocabulary-sharded"])
+@pytest.mark.parametrize("ids_layout", [[U, U], ["batch", U]], ids=["ids-replicated", "ids-sharded"])
+def test_an_embedding_with_max_norm_renormalises_the_rows_it_looks_up(table, ids_layout):
+    mesh = mesh22()
+    torch.manual_seed(0)
+    plain = nn.Embedding(16, 8, max_norm=1.0)
+    with torch.no_grad():
+        plain.weight.mul_(3)
+    model = spmd.distribute_module(copy.deepcopy(plain), mesh, {"weight": table})
+    ids = torch.randint(0, 16, (4, 5))
+    out = model(spmd.copy_to_mesh(ids, Layout(ids_layout, mesh)))
+    want = plain(ids)
+    out.sum().backward()
+    want.sum().backward()
+    torch.testing.assert_close(spmd.to_global(out), want)
+    torch.testing.assert_close(global_value(model.weight), plain.weight.detach())
+    torch.testing.assert_close(spmd.to_global(model.weight.grad), plain.weight.grad)
+
+
 # -- meta models ---------------------------------------------------------------------------------------------------
 def _meta_net_values(mesh_dims, seed=0, **kwargs):
     mesh = spmd.create_mesh(mesh_dims)

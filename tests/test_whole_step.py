@@ -244,6 +244,26 @@ def test_reading_a_value_inside_a_whole_step_is_a_trace_error():
     assert all(p.grad is None for p in model.parameters())
 
 
+def test_a_value_read_inside_a_torch_module_names_its_line():
+    """BatchNorm with `momentum=None` reads `float(num_batches_tracked)`: the error names that line."""
+    mesh = spmd.create_mesh([("batch", 2)])
+    model = spmd.distribute_module(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4, momentum=None)), mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(x):
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    whole = spmd.function(step, backend="aot_eager", whole_step=True)
+    x = spmd.copy_to_mesh(torch.randn(8, 4), Layout(["batch", U], mesh))
+    whole(x)
+    with pytest.raises(TraceError, match=r"batchnorm\.py:\d+: .*float\(self\.num_batches_tracked\)"):
+        whole(x)
+
+
 def test_bad_whole_step_arguments_are_refused():
     mesh = spmd.create_mesh([("batch", 2)])
     _, _, step = _setup(mesh, OPTIMIZERS["sgd_momentum"])

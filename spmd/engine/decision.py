@@ -60,9 +60,13 @@ class OpCall:
         return self.mesh.shard_count(mesh_dim)
 
     def describe(self) -> str:
-        parts = [f"{list(a.shape)}:{[m or 'unsharded' for m in a.axes]}" if isinstance(a, TensorSpec) else repr(a)
-                 for a in self.args]
-        return f"{self.func}({', '.join(parts)})"
+        def part(a) -> str:
+            if isinstance(a, TensorSpec):
+                return f"{list(a.shape)}:{[m or 'unsharded' for m in a.axes]}"
+            if isinstance(a, (list, tuple)):  # (index lists)
+                return "[" + ", ".join(map(part, a)) + "]"
+            return repr(a)
+        return f"{self.func}({', '.join(map(part, self.args))})"
 
 
 # (stacked local inputs, args, kwargs) -> local output(s); with declared collectives also a runner (see Decision)

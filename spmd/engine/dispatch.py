@@ -153,7 +153,7 @@ def torch_dispatch(cls, func, types, args=(), kwargs=None):
             raise MixedTensorError(f"{func} writes into a plain tensor of shape {list(args[0].shape)} with DTensor "
                                    "inputs; a DTensor result cannot go there: write into a DTensor "
                                    "(spmd.copy_to_mesh) instead") from None
-        return dispatch(func, *_replicated_plain(args, kwargs or {}))
+        return dispatch(func, *_replicated_plain(func, args, kwargs or {}))
     key = tuple(key)
     plan = _CACHE.get(key)
     if plan is None:
@@ -263,13 +263,18 @@ def _writes_plain(func, args) -> bool:
     return bool(args) and not isinstance(args[0], DTensor) and is_inplace(func)
 
 
-def _replicated_plain(args, kwargs):
+def _replicated_plain(func, args, kwargs):
     """`args` and `kwargs` with every plain tensor of rank > 0 replaced by a replicated DTensor."""
     mesh = next(t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, DTensor))._layout.mesh
 
     def replicated(a):
         if isinstance(a, DTensor) or not isinstance(a, torch.Tensor) or a.dim() == 0:
             return a
+        if a.requires_grad and torch.is_grad_enabled():
+            raise MixedTensorError(
+                f"{func}: a plain tensor of shape {list(a.shape)} that requires grad met DTensors; its gradient "
+                "would be a DTensor, which it cannot hold. A parameter added to a module after distribute_module? "
+                "Distribute it too (spmd.distribute_module(module, mesh, ...) again, or spmd.DVariable)")
         return distributed(a, Layout.replicated(mesh, a.dim()))
 
     return pytree.tree_map(replicated, (args, kwargs))
@@ -528,10 +533,13 @@ def _plan_from_decision(decision: Decision, call: OpCall, tensors, args, kwargs)
         have = t._layout.axes
         want = t._layout.outer_axes if want is None else tuple(want)
         if decision.inplace and i == 0 and want != have:
+            computed = Layout.from_axes(want, mesh).sharding_specs
+            way_out = (f"this op shards an axis over one mesh dim only: relayout the target to such a layout first "
+                       f"(e.g. {computed}), and back after" if want == t._layout.outer_axes else
+                       "use the out-of-place form (`y = y * w` for `y.mul_(w)`), or relayout the operands first")
             raise UnsupportedOpError(
                 f"{call.describe()}: in-place op would change the layout of its target (layout "
-                f"{t._layout.sharding_specs}; this op computes it as {Layout.from_axes(want, mesh).sharding_specs})"
-                ". Use the out-of-place form (`y = y * w` for `y.mul_(w)`), or relayout the operands first")
+                f"{t._layout.sharding_specs}; this op computes it as {computed}); {way_out}")
         pending = () if i in decision.keeps else t._pending  # a kept sum is relayouted unreduced: still a sum
         steps = planner.plan_on(mesh, have, want, pending, t._pending_op)
         if pending and not any(s.kind is Kind.REDUCE_SCATTER for s in steps):

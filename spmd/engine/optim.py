@@ -30,6 +30,7 @@ from torch.optim import optimizer
 
 from spmd.collectives.local import shared
 from spmd.dtensor import DTensor
+from spmd.engine import planner
 from spmd.engine.foreach import once_where_shared, same_keys
 
 _KEY, _STACK, _PENDING, _COPIED_VIEW = map(operator.attrgetter, ("_key", "_stack", "_pending", "_copied_view"))
@@ -45,6 +46,7 @@ def let_torch_optim_take(*types) -> None:
     for supported in (optimizer._foreach_supported_types, torch.utils._foreach_utils._foreach_supported_types):
         supported.extend(t for t in types if t not in supported)
     optimizer.Optimizer._group_tensors_by_device_and_dtype = staticmethod(_grouped)
+    optimizer.Optimizer._process_value_according_to_param_policy = staticmethod(_laid_out_like_the_parameter)
     for module in _MODULES:
         for name, function in list(vars(module).items()):
             if not inspect.isfunction(function) or hasattr(function, "_spmd_update"):
@@ -56,6 +58,19 @@ def let_torch_optim_take(*types) -> None:
                 setattr(module, name, _copying_to_replicas(function))
         if getattr(module, "_default_to_fused_or_foreach", None) is optimizer._default_to_fused_or_foreach:
             module._default_to_fused_or_foreach = _default_path
+
+
+_PROCESS = optimizer.Optimizer._process_value_according_to_param_policy  # torch's own
+
+
+def _laid_out_like_the_parameter(param, value, *args, **kwargs):
+    """`Optimizer.load_state_dict` of a plain state (a single-device checkpoint) for a DTensor parameter: each state
+    tensor shaped like the parameter is laid out like it, as torch moves it to the parameter's device and dtype."""
+    value = _PROCESS(param, value, *args, **kwargs)
+    if isinstance(param, DTensor) and type(value) is torch.Tensor and value.shape == param.shape:
+        layout = param._layout
+        return DTensor(planner.distribute(value, layout.mesh, layout.axes), layout, value.shape)
+    return value
 
 
 def _elementwise_modules() -> list:

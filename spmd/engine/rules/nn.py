@@ -14,7 +14,7 @@ import torch
 from spmd.collectives import Collective, Kind
 from spmd.engine.registry import register
 from spmd.engine.decision import Decision, OpCall, TensorSpec, unsupported
-from spmd.engine.rules.common import constant, replace_tensors, shard_starts
+from spmd.engine.rules.common import block_starts, constant, replace_tensors, shard_starts
 from spmd.engine.rules.pointwise import merge_axes
 from spmd.engine.rules.reduction import arg
 
@@ -101,6 +101,32 @@ def embedding_rule(call: OpCall) -> Decision:
     vocab = (vocab_dim,) if vocab_dim is not None else ()  # (the kernel reads its blocks' first rows)
     return Decision(((vocab_dim, emb_dim), idx_axes), (idx_axes + (emb_dim,),), kernel,
                     reduce=(vocab,) if vocab else (), fixed=vocab)
+
+
+@register(aten.embedding_renorm_.default, blockwise=True)
+def embedding_renorm_rule(call: OpCall) -> Decision:
+    """`nn.Embedding(max_norm=...)` rescales the rows its indices name to a norm of at most `max_norm`, in place.
+    Every device sees all the indices (gathered) and rescales the named rows it holds (a table sharded on the
+    vocabulary axis: its block of rows). A row's norm on a table sharded on the embedding axis would need every
+    device's columns: refused."""
+    table, idx = call.specs
+    vocab_dim, emb_dim = table.axes
+    if emb_dim is not None:
+        raise unsupported(call, f"a row's norm needs the whole embedding axis, sharded over {emb_dim!r} here: "
+                                "shard the table over the vocabulary axis, or relayout it")
+    rows = table.shape[0] // call.shards(vocab_dim)
+    starts = block_starts(call, vocab_dim, rows)
+    max_norm, norm_type = call.args[2:4]
+
+    def kernel(l, a, k):
+        weight, ids = l
+        for component, named, start in zip(weight, ids, starts):  # (the rows each device holds differ)
+            local = named.flatten() - start
+            aten.embedding_renorm_(component, local[(local >= 0) & (local < rows)], max_norm, norm_type)
+        return weight
+    vocab = (vocab_dim,) if vocab_dim is not None else ()
+    return Decision(((vocab_dim, None), (None,) * idx.rank), ((vocab_dim, None),), kernel, inplace=True,
+                    fixed=vocab)
 
 
 @register(aten.embedding_dense_backward.default, blockwise=True)
