@@ -55,6 +55,8 @@ def _local(shape, layout: Layout, build: Callable) -> DTensor:
 
 def _factory(torch_fn):
     def create(*shape, dtype=None, layout: Layout | None = None, requires_grad=False, **kwargs):
+        if len(shape) == 2 and isinstance(shape[1], torch.dtype) and dtype is None:  # TF's order: (shape, dtype)
+            shape, dtype = shape[:1], shape[1]
         size = _shape(shape, kwargs)
         target = _target(size, layout)
         if target is None:
@@ -135,6 +137,8 @@ def _arange(*args, dtype=None, layout: Layout | None = None, **kwargs):
 
 
 # torch factory -> the spmd implementation that generates only local shards
+# factories whose values come from their arguments: made whole, then laid out
+FROM_VALUES = frozenset({torch.tensor, torch.as_tensor, torch.eye, torch.linspace, torch.logspace})
 TORCH_FACTORIES: dict = {
     torch.zeros: zeros, torch.ones: ones, torch.empty: empty,
     torch.full: lambda size, fill_value, dtype=None, layout=None, **kw: fill(size, fill_value, dtype, layout),
@@ -166,6 +170,13 @@ class FactoryMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
+        if func in FROM_VALUES and "device" not in kwargs:  # a constant (TF: `constant` in a scope): replicated
+            requires_grad = kwargs.pop("requires_grad", False)
+            value = func(*args, **kwargs)
+            use = self.layout if self.layout is not None and self.layout.rank == value.dim() else \
+                Layout.replicated(self.mesh, value.dim())
+            out = api.copy_to_mesh(value, use)
+            return out.requires_grad_() if requires_grad else out
         factory = TORCH_FACTORIES.get(func)
         if factory is None or isinstance(kwargs.get("layout"), torch.layout) or "device" in kwargs:
             return func(*args, **kwargs)

@@ -15,7 +15,7 @@ from typing import Iterable, Sequence
 import numpy as np
 import torch
 
-from spmd.clients import local_cuda_index
+from spmd.clients import current as current_client, local_cuda_index
 from spmd import jax_sharding
 from spmd.errors import LayoutError
 
@@ -113,6 +113,9 @@ class Mesh:
                     f"mesh dimension name {n!r} is not allowed: 'unsharded' and 'match' are layout keywords, and "
                     f"a name needs at least one character and none of {''.join(sorted(_SEPARATORS))!r} (they "
                     "separate the fields of a mesh's or a layout's string form)")
+        if "|" in str(mesh_name):
+            raise LayoutError(f"mesh name {mesh_name!r} is not allowed: '|' separates the fields of a mesh's string "
+                              "form, which must read back")
         if len(dim_names) != ids.ndim:
             raise LayoutError(f"Number of mesh dimensions ({ids.ndim}, shape {list(ids.shape)}) does not match "
                               f"number of dimension names {dim_names}.")
@@ -380,7 +383,7 @@ def create_mesh(mesh_dims: Sequence[tuple[str, int]] | dict[str, int] | None = N
 
     Args:
       mesh_dims: a list of `(name, size)` pairs or a dict; `None` means one dimension `'x'` over all devices,
-        and one size of `-1` takes all the devices left.
+        and one size of `-1` takes all the devices left (all: those `initialize_accelerator_system` made, as in TF).
       mesh_name: an optional name for the mesh.
       devices: device names such as `'CPU:0'` (a virtual CPU device: any number, nothing to configure) or
         `'cuda:0'`/`'GPU:0'`. Defaults to as many devices of `device_type` as the mesh needs (all visible GPUs
@@ -455,6 +458,7 @@ def _default_devices(dims: list, device_type: str) -> list[str]:
         if count > MAX_VIRTUAL_DEVICES:
             raise LayoutError(f"a mesh of shape {[size for _, size in dims]} has {count:,} devices; this process "
                               f"holds every virtual device's component, and at most {MAX_VIRTUAL_DEVICES:,} of them")
-    else:
-        count = 1
+    else:  # all of them: the devices `initialize_accelerator_system` made (one virtual CPU device by default)
+        state = current_client()
+        count = state.num_local if state is not None and state.device_type == device_type else 1
     return [f"{device_type}:{i}" for i in range(count)]

@@ -53,8 +53,8 @@ def _seed_parts(seed) -> list[int]:
     if isinstance(seed, torch.Tensor):
         seed = seed.tolist()
     parts = list(seed) if isinstance(seed, (list, tuple)) else [seed]
-    if not parts or not all(isinstance(p, int) or hasattr(p, "__index__") for p in parts):
-        raise TypeError(f"seed must be an int or a pair of ints (as TF's seed=(1, 2)), got {seed!r}")
+    if not 1 <= len(parts) <= 2 or not all(isinstance(p, int) or hasattr(p, "__index__") for p in parts):
+        raise TypeError(f"seed must be an int or a pair of ints (as TF's seed=(1, 2), of shape [2]), got {seed!r}")
     return [int(p) for p in parts]
 
 
@@ -115,11 +115,13 @@ def _(index, seed, stream):
 
 
 def uniform01(index: torch.Tensor, seed, stream: int, dtype: torch.dtype) -> torch.Tensor:
-    """Uniform floats in [0, 1) (53 random bits for float64, 24 otherwise)."""
+    """Uniform floats in [0, 1), as many random bits as `dtype` holds exactly (53 for float64, 24 for float32, 8 for
+    bfloat16): more would round the largest values up to 1."""
     bits = uniform_bits(index, seed, stream)
     if dtype == torch.float64:
         return ((bits >> 11) & ((1 << 53) - 1)).to(torch.float64) * 2.0 ** -53
-    return (((bits >> 40) & ((1 << 24) - 1)).to(torch.float32) * 2.0 ** -24).to(dtype)
+    n = min(round(-math.log2(torch.finfo(dtype).eps)) + 1, 24)  # (the significand's bits)
+    return (((bits >> (64 - n)) & ((1 << n) - 1)).to(torch.float32) * 2.0 ** -n).to(dtype)
 
 
 def normal01(index: torch.Tensor, seed, dtype: torch.dtype, round_: int = 0) -> torch.Tensor:
@@ -184,14 +186,27 @@ def stateless_uniform(shape: Sequence[int], seed, minval=0, maxval=None, dtype=t
     maxval = 1 if maxval is None else maxval
     if minval > maxval:
         raise ValueError(f"stateless_uniform needs minval <= maxval, got minval={minval} and maxval={maxval}")
-    return _generate(shape, layout, device,
-                     lambda i: uniform01(i, seed, 0, dtype) * (maxval - minval) + minval)
+    def uniform(i):
+        out = uniform01(i, seed, 0, dtype) * (maxval - minval) + minval
+        if minval == maxval:
+            return out
+        # scaled to the range, a value can round up to maxval in a narrow dtype: the range is half-open
+        top = torch.full((), maxval, dtype=dtype, device=out.device)
+        return torch.minimum(out, torch.nextafter(top, torch.full_like(top, minval)))
+    return _generate(shape, layout, device, uniform)
+
+
+def _check_floating(name: str, dtype: torch.dtype) -> None:
+    if not dtype.is_floating_point:
+        raise TypeError(f"{name}: dtype must be a floating type (as TF's: float16, bfloat16, float32, float64), got "
+                        f"{dtype}")
 
 
 @born_with_layout
 def stateless_normal(shape: Sequence[int], seed, mean=0.0, stddev=1.0, dtype=torch.float32,
                      layout: Layout | None = None, device=None):
     """Normal values (mean, stddev) that depend only on `seed` and the global index (see `stateless_uniform`)."""
+    _check_floating("stateless_normal", dtype)
     return _generate(shape, layout, device, lambda i: normal01(i, seed, dtype) * stddev + mean)
 
 
@@ -199,6 +214,7 @@ def stateless_normal(shape: Sequence[int], seed, mean=0.0, stddev=1.0, dtype=tor
 def stateless_truncated_normal(shape: Sequence[int], seed, mean=0.0, stddev=1.0, dtype=torch.float32,
                                layout: Layout | None = None, device=None):
     """Normal values re-drawn until within two standard deviations of the mean (TF's truncated normal)."""
+    _check_floating("stateless_truncated_normal", dtype)
     return _generate(shape, layout, device, lambda i: truncated01(i, seed, dtype) * stddev + mean)
 
 

@@ -306,3 +306,39 @@ def test_random_shards_are_generated_per_device(mesh22):
     plain = srandom.stateless_normal((4, 4), seed=5)
     expected = [plain[:2, :2], plain[:2, 2:], plain[2:, :2], plain[2:, 2:]]
     assert all(torch.equal(c, e) for c, e in zip(unpack(t), expected))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("low, high", [(0.0, 1.0), (-1.0, 1.0), (2.0, 3.0)])
+def test_stateless_uniform_stays_below_maxval_in_every_float_dtype(dtype, low, high):
+    """The range is half-open, as TF's: in a narrow dtype a value drawn with more bits than it holds, or scaled to
+    the range, would round up to maxval."""
+    values = srandom.stateless_uniform((200_000,), seed=(1, 2), minval=low, maxval=high, dtype=dtype)
+    assert values.dtype == dtype and values.min() >= low and values.max() < high
+
+
+def test_stateless_normal_refuses_an_integer_dtype_and_seeds_are_of_shape_two():
+    for fn in (srandom.stateless_normal, srandom.stateless_truncated_normal):
+        with pytest.raises(TypeError, match="dtype must be a floating type"):
+            fn((4,), seed=(1, 2), dtype=torch.int32)
+    with pytest.raises(TypeError, match="seed must be an int or a pair"):
+        srandom.stateless_normal((4,), seed=[1, 2, 3])
+
+
+def test_constants_made_in_a_default_mesh_scope_are_replicated_dtensors():
+    """As TF's `constant` inside a default mesh: `torch.tensor`, `as_tensor`, `eye`, `linspace` are replicated
+    DTensors there (and combine with DTensors), plain outside."""
+    mesh = spmd.create_mesh([("x", 2), ("y", 2)])
+    with spmd.default_mesh(mesh):
+        made = [torch.tensor([3, 4]), torch.as_tensor([[1.0, 2.0]]), torch.eye(2), torch.linspace(0, 1, 4)]
+        row = spmd.copy_to_mesh(torch.ones(4, 4), Layout(["x", UNSHARDED], mesh)) + torch.tensor([1.0, 2, 3, 4])
+    assert all(spmd.fetch_layout(t) == Layout.replicated(mesh, t.dim()) for t in made)
+    assert torch.equal(spmd.to_global(made[2]), torch.eye(2))
+    assert gather(row)[0].tolist() == [2.0, 3.0, 4.0, 5.0]
+    assert not spmd.is_dtensor(torch.tensor([3, 4]))
+
+
+def test_zeros_and_ones_take_tfs_positional_dtype():
+    mesh = spmd.create_mesh([("x", 2)])
+    t = spmd.zeros((4, 4), torch.int32, layout=Layout(["x", UNSHARDED], mesh))
+    assert t.dtype == torch.int32 and t.shape == (4, 4) and spmd.ones([2, 3], torch.float64).dtype == torch.float64

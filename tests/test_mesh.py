@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+import spmd
 from spmd import Mesh, MeshDimension, create_mesh
 
 HOST = "/job:localhost/replica:0/task:0"
@@ -57,6 +58,19 @@ def test_create_mesh_default_is_one_dimension_x():
     mesh = create_mesh()
     assert mesh.dim_names == ["x"]
     assert mesh.num_local_devices() == mesh.size >= 1
+
+
+def test_create_mesh_takes_all_the_devices_the_system_was_initialised_with():
+    """As TF: `None` and a size of -1 mean every local device, here the virtual CPU devices
+    `initialize_accelerator_system` made."""
+    spmd.initialize_accelerator_system("CPU", num_logical_cpu_devices=8)
+    try:
+        assert create_mesh().shape() == [8]
+        assert create_mesh([("b", -1)]).shape() == [8]
+        assert create_mesh([("x", 2), ("y", -1)]).shape() == [2, 4]
+    finally:
+        spmd.shutdown_accelerator_system()
+    assert create_mesh([("b", -1)]).shape() == [1]
 
 
 def test_create_mesh_devices_keep_their_names_and_ids_are_positions():
@@ -283,6 +297,7 @@ ERRORS = [
     (lambda: create_mesh([("x", 2)], devices=["CPU:0", "CPU:1"], device_type="GPU"),
      f"Conflicting devices ['{HOST}/device:CPU:0', '{HOST}/device:CPU:1'] and device_type GPU"),
     (lambda: create_mesh([("x", 2), ("x", 3)], devices=DEVICES6), "['x', 'x']"),
+    (lambda: create_mesh([("x", 2)], mesh_name="a|b"), "mesh name 'a|b' is not allowed"),
     (lambda: create_mesh([("x", 2), ("y", 1), ("x", 3)], devices=DEVICES6), "repeated"),
     (lambda: create_mesh([("x", 2)], devices=["CPU:0", "CPU:0"]), "Duplicate devices found in mesh specification"),
     (lambda: create_mesh([("x", 2)], devices=["CPU:0", "XPU:1"]), "'XPU:1'"),
