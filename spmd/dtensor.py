@@ -39,6 +39,19 @@ def install_engine(engine) -> None:
 
 
 
+class _EveryDim:
+    """Dynamo's set of a tensor's dims marked static (`torch._dynamo.mark_static`), holding every dim."""
+
+    def __contains__(self, dim) -> bool:
+        return True
+
+    def add(self, dim) -> None:
+        pass
+
+
+_EVERY_DIM = _EveryDim()
+
+
 class DTensor(torch.Tensor):
     """A distributed tensor. Create one with `pack`, `copy_to_mesh`, `relayout` or a factory with `layout=`.
 
@@ -62,6 +75,9 @@ class DTensor(torch.Tensor):
 
     # Ops reach `__torch_dispatch__` directly: no Python-level `__torch_function__` on the hot path.
     __torch_function__ = torch._C._disabled_torch_function_impl
+    # torch.compile: every dim static, as spmd.function compiles (Dynamo would make a recompile's sizes dynamic,
+    # which spmd's rules do not take); the components a graph takes likewise (see `_inner`)
+    _dynamo_static_indices = _EVERY_DIM
 
     @staticmethod
     def __new__(cls, local: torch.Tensor, layout: Layout, shape: Sequence[int], requires_grad: bool = False,
@@ -138,11 +154,14 @@ class DTensor(torch.Tensor):
         stack = self._stack
         if type(stack) is torch.Tensor or not traced(stack):
             if not stack._is_view() and not shared(stack):
+                if "_dynamo_static_indices" not in stack.__dict__:
+                    stack._dynamo_static_indices = _EVERY_DIM
                 return stack
             inner = getattr(stack, "_spmd_inner", None)  # (kept: guards compare their inputs' identities)
             if inner is None:
                 with no_dispatch():  # (Dynamo reads a graph's inputs under its fake mode)
                     inner = stack._spmd_inner = (one_copy(stack) if shared(stack) else stack).detach()
+                inner._dynamo_static_indices = _EVERY_DIM
             return inner
         if not shared(stack):
             return stack

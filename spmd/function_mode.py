@@ -19,6 +19,7 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from spmd.api import copy_to_mesh, relayout
+from spmd.collectives.local import one_copy
 from spmd.dtensor import DTensor, pending_dtensors
 from spmd.engine import dispatch
 from spmd.engine.propagation import hoist_relayouts
@@ -116,19 +117,43 @@ class Function:
             self._whole_step = WholeStep(fn, self._body, self.__name__, self._compile, MAX_TRACES, self._forbid)
 
     def __call__(self, *args, **kwargs):
+        if torch.compiler.is_compiling():  # called inside another spmd.function (or torch.compile): part of its trace
+            return self._body(*args, **kwargs)
+        given = (args, kwargs)
         args, kwargs = self._broadcast(args, kwargs)
         if self._whole_step is not None:
             with _running:
-                return self._whole_step(args, kwargs)
+                out = self._whole_step(args, kwargs)
+        else:
+            out = self._run(args, kwargs)
+        if args is not given[0] or kwargs is not given[1]:
+            _write_back_plain(given, (args, kwargs))
+        return out
+
+    def _run(self, args, kwargs):
         traces, breaks = self._traces, _graph_breaks()
         try:
             with _running:
                 out = self._compiled(*args, **kwargs)
+        except torch._dynamo.exc.FailOnRecompileLimitHit:
+            self._warn_limit()
+            with _running:
+                return self._body(*args, **kwargs)
         except torch._dynamo.exc.TorchDynamoException as e:
+            if _raised_in_trace(e):  # the function's own code (or spmd's checks) raised: as eagerly, with its error
+                with _running:
+                    self._body(*args, **kwargs)
             raise _failed_trace(self._fn, e) from None
         if self._traces != traces:
             self._warn_breaks(breaks)
         return out
+
+    def _warn_limit(self) -> None:
+        if not getattr(self, "_warned_limit", False):
+            self._warned_limit = True
+            warnings.warn(f"spmd.function({self.__name__}) was traced {self._traces} times, its limit: it now runs "
+                          "eagerly for new signatures (new layouts, shapes, dtypes or Python scalar values; pass a "
+                          "changing number as a 0-d tensor to make it an input)", stacklevel=4)
 
     def __get__(self, obj, objtype=None):  # a decorated method binds like a function
         return self if obj is None else functools.partial(self, obj)
@@ -165,7 +190,8 @@ class Function:
 
         try:
             with _running:
-                torch.compile(_own_code(self._body), backend=capture, dynamic=self.options["dynamic"])(*args, **kwargs)
+                torch.compile(_own_code(self._body), backend=capture, dynamic=self.options["dynamic"],
+                              fullgraph=self._fullgraph)(*args, **kwargs)
         except torch._dynamo.exc.TorchDynamoException as e:
             if not isinstance(getattr(e, "inner_exception", None), _Captured):
                 raise _failed_trace(self._fn, e) from None
@@ -209,7 +235,9 @@ class Function:
                     f"larger than max_autobroadcast_elements={self._max_broadcast}, so it is not replicated on "
                     f"every device implicitly. Distribute it first: spmd.copy_to_mesh(t, layout), or raise the "
                     "limit with spmd.function(..., max_autobroadcast_elements=N)")
-            return copy_to_mesh(t, Layout.replicated(mesh, t.dim()))
+            dt = copy_to_mesh(t, Layout.replicated(mesh, t.dim()))
+            dt._broadcast = (dt._stack, dt._stack._version)  # (to see whether the function writes it)
+            return dt
 
         return pytree.tree_map(convert, (args, kwargs))
 
@@ -326,6 +354,25 @@ def _own_code(method) -> Callable:
     return types.MethodType(own, method.__self__)
 
 
+def _write_back_plain(given, passed) -> None:
+    """A plain tensor argument, replicated for the call (the seeds' autobroadcast), that the function wrote in
+    place: its new value goes back into the caller's tensor, as torch.compile's own input mutations do."""
+    for plain, dt in zip(pytree.tree_leaves(given), pytree.tree_leaves(passed)):
+        if dt is not plain and isinstance(dt, DTensor) and (dt._stack, dt._stack._version) != dt._broadcast:
+            with torch.no_grad():
+                plain.copy_(one_copy(dt._local)[0])
+
+
+def _raised_in_trace(e: Exception) -> bool:
+    """Whether Dynamo stopped because the traced code raised an exception (which it cannot hand on as it was)."""
+    cause = e
+    while cause is not None:
+        if isinstance(cause, torch._dynamo.exc.ObservedException):
+            return True
+        cause = getattr(cause, "inner_exception", None) or cause.__cause__ or cause.__context__
+    return False
+
+
 def _graph_breaks() -> dict:
     return dict(torch._dynamo.utils.counters["graph_break"])
 
@@ -341,12 +388,25 @@ def _failed_trace(fn, e: Exception) -> Exception:
             return cause
         raised = raised or isinstance(cause, torch._dynamo.exc.ObservedException)
         cause = getattr(cause, "inner_exception", None) or cause.__cause__ or cause.__context__
-    return _trace_error(fn, e) if isinstance(e, torch._dynamo.exc.Unsupported) else e
+    if isinstance(e, torch._dynamo.exc.Unsupported):
+        return _trace_error(fn, e)
+    if _reads_a_value(e):
+        return _trace_error(fn, e, "it reads a tensor's value in Python (`.item()`, `int(t)`, `float(t)`)")
+    return e
 
 
-def _trace_error(fn, e: Exception) -> TraceError:
+def _reads_a_value(e: Exception) -> bool:
+    """Whether Dynamo failed on a Python number made from a tensor's value: a guard on it, or (as spmd's rules
+    hash their arguments) an unbacked SymInt reaching an op on DTensors."""
+    text = str(e)
+    return (isinstance(e, torch._dynamo.exc.UserError) and "data-dependent" in text) or (
+        isinstance(e, torch._dynamo.exc.TorchRuntimeError) and "SymInt" in text)
+
+
+def _trace_error(fn, e: Exception, what: str | None = None) -> TraceError:
     lines = [line for line in str(e).splitlines() if line.strip()]
     where = [line.strip() for line in lines if line.strip().startswith("File ")]
+    lines[0] = what or lines[0]
     if lines[0].startswith("Dynamic shape operator"):
         fix = (" (an op whose result's shape depends on the values: nonzero, x[mask], masked_select, unique, "
                "bincount). Call it outside the function, or pass fullgraph=False to run it eagerly between graphs.")

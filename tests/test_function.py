@@ -682,3 +682,73 @@ def test_forbid_accepts_communication_free_layouts_and_checks_results(mesh22):
         spmd.function(mlp, forbid="all", backend="aot_eager")(x, w1, w2)
     with pytest.raises(ValueError, match="forbid='gather'"):
         spmd.function(mlp, forbid="gather")
+
+
+# -- what users meet: errors as eagerly, arguments written in place, nesting, limits ----------------------------------
+def test_a_plain_argument_written_in_place_is_updated_for_the_caller(mesh22):
+    """The seeds' autobroadcast replicates a plain tensor argument for the call; a write into it reaches the
+    caller's tensor, as under torch.compile."""
+    x = spmd.copy_to_mesh(torch.randn(4, 8), Layout(["x", "y"], mesh22))
+    p = torch.zeros(8)
+
+    def bump(x, p):
+        p.add_(1)
+        return x + p
+    out = spmd.function(bump, backend="aot_eager")(x, p)
+    assert torch.equal(p, torch.ones(8))
+    torch.testing.assert_close(gather(out), gather(x) + 1)
+
+
+def test_an_error_the_function_raises_is_raised_as_eagerly(mesh22):
+    x = spmd.copy_to_mesh(torch.randn(4, 8), Layout(["x", "y"], mesh22))
+
+    def refuses(x):
+        raise ValueError("the function says no")
+    with pytest.raises(ValueError, match="the function says no"):
+        spmd.function(refuses, backend="aot_eager")(x)
+    with pytest.raises(spmd.LayoutError, match=r"rank 2\) the layout \['unsharded'\] of rank 1"):
+        spmd.function(lambda x: spmd.relayout(x + 1, Layout([U], mesh22)), backend="aot_eager")(x)
+
+
+def test_a_value_read_in_python_is_a_trace_error_naming_its_line(mesh22):
+    x = spmd.copy_to_mesh(torch.randn(4, 8), Layout(["x", "y"], mesh22))
+    for fn in (lambda x: x * x.sum().item(), lambda x: x + int(x.argmax())):
+        with pytest.raises(spmd.TraceError, match=r"reads a tensor's value in Python .*test_function\.py"):
+            spmd.function(fn, backend="aot_eager")(x)
+
+
+def test_explain_of_a_function_with_a_graph_break_raises_as_its_call_does(mesh22):
+    def branches(x):
+        return x * 2 if x.sum() > 0 else x
+    x = spmd.copy_to_mesh(torch.randn(4, 8), Layout(["x", "y"], mesh22))
+    with pytest.raises(spmd.TraceError, match="Data-dependent branching"):
+        spmd.function(branches, backend="aot_eager").explain(x)
+
+
+def test_an_spmd_function_called_inside_another_is_part_of_its_trace(mesh22):
+    inner = spmd.function(lambda t: t * 2, backend="aot_eager")
+    outer = spmd.function(lambda t: inner(t) + 1, backend="aot_eager")
+    x = spmd.copy_to_mesh(torch.randn(4, 8), Layout(["x", "y"], mesh22))
+    torch.testing.assert_close(gather(outer(x)), gather(x) * 2 + 1)
+    assert outer.experimental_get_tracing_count() == 1 and inner.experimental_get_tracing_count() == 0
+
+
+def test_past_its_trace_limit_a_function_runs_eagerly_with_a_warning(mesh22):
+    """Also with fullgraph=True (the default), where torch's own limit is a hard failure."""
+    scale = spmd.function(lambda x, s: x * s, backend="aot_eager")
+    x = spmd.copy_to_mesh(torch.randn(4, 8), Layout(["x", "y"], mesh22))
+    with torch._dynamo.config.patch(recompile_limit=2):
+        scale(x, 2.0), scale(x, 3.0)
+        with pytest.warns(UserWarning, match="its limit: it now runs eagerly"):
+            out = scale(x, 4.0)
+    torch.testing.assert_close(gather(out), gather(x) * 4)
+    assert scale.experimental_get_tracing_count() == 2
+
+
+def test_torch_compile_on_dtensors_recompiles_for_new_layouts_and_shapes_with_static_sizes(mesh22):
+    """Dynamo makes a recompile's sizes dynamic, which spmd's rules do not take: a DTensor's dims (and its
+    components') are marked static, so each new layout or shape is a static recompile."""
+    f = torch.compile(lambda t: torch.relu(t) * 2, backend="aot_eager")
+    for value, specs in ((torch.randn(8, 16), ["x", U]), (torch.randn(8, 16), [U, U]), (torch.randn(16, 16), ["x", "y"])):
+        out = f(spmd.copy_to_mesh(value, Layout(specs, mesh22)))
+        torch.testing.assert_close(gather(out), torch.relu(value) * 2)
