@@ -749,6 +749,7 @@ def test_torch_compile_on_dtensors_recompiles_for_new_layouts_and_shapes_with_st
     """Dynamo makes a recompile's sizes dynamic, which spmd's rules do not take: a DTensor's dims (and its
     components') are marked static, so each new layout or shape is a static recompile."""
     f = torch.compile(lambda t: torch.relu(t) * 2, backend="aot_eager")
-    for value, specs in ((torch.randn(8, 16), ["x", U]), (torch.randn(8, 16), [U, U]), (torch.randn(16, 16), ["x", "y"])):
+    cases = ((torch.randn(8, 16), ["x", U]), (torch.randn(8, 16), [U, U]), (torch.randn(16, 16), ["x", "y"]))
+    for value, specs in cases:
         out = f(spmd.copy_to_mesh(value, Layout(specs, mesh22)))
         torch.testing.assert_close(gather(out), torch.relu(value) * 2)
