@@ -753,3 +753,18 @@ def test_torch_compile_on_dtensors_recompiles_for_new_layouts_and_shapes_with_st
     for value, specs in cases:
         out = f(spmd.copy_to_mesh(value, Layout(specs, mesh22)))
         torch.testing.assert_close(gather(out), torch.relu(value) * 2)
+
+
+@pytest.mark.parametrize("name", ["sum of products + 3", "square of a product", "difference of scaled products"])
+def test_a_constraint_after_a_sum_of_pending_sums_is_one_reduce_scatter(mesh22, name):
+    """A constraint moves back over elementwise ops (pow too) down to a sum of pending sums (scaled by numbers or
+    not), which stays one pending sum: one reduce-scatter, not one per summand."""
+    h = spmd.copy_to_mesh(torch.randn(8, 8), Layout([U, "y"], mesh22))
+    w = spmd.copy_to_mesh(torch.randn(8, 8), Layout(["y", U], mesh22))
+    target = Layout(["y", U], mesh22)
+    fn = {"sum of products + 3": lambda h, w: spmd.relayout(h @ w + h @ w + 3, target),
+          "square of a product": lambda h, w: spmd.relayout((h @ w) ** 2, target),
+          "difference of scaled products": lambda h, w: spmd.relayout((h @ w - h @ w * 2) * 3, target)}[name]
+    f = spmd.function(fn, backend="aot_eager")
+    assert [(c.kind, c.mesh_dims) for c in f.explain(h, w).collectives] == [("reduce_scatter", ("y",))]
+    torch.testing.assert_close(gather(f(h, w)), gather(fn(h, w)))

@@ -32,13 +32,17 @@ _RELAYOUT = torch.ops.spmd.relayout.default
 # elementwise (broadcasting) functions as Dynamo records them: the result's axis i depends only on axis i of each
 # (broadcast) input, so slicing the inputs slices the result
 _ELEMENTWISE_FUNCTIONS = {
-    operator.add, operator.sub, operator.mul, operator.truediv, operator.neg,
-    torch.add, torch.sub, torch.mul, torch.div, torch.neg, torch.abs, torch.exp, torch.tanh, torch.sigmoid,
+    operator.add, operator.sub, operator.mul, operator.truediv, operator.neg, operator.pow,
+    torch.add, torch.sub, torch.mul, torch.div, torch.neg, torch.pow, torch.abs, torch.exp, torch.tanh, torch.sigmoid,
     torch.relu, torch.square, torch.sqrt, torch.rsqrt, torch.sin, torch.cos, torch.where,
     F.gelu, F.relu, F.silu, F.sigmoid, F.tanh, torch._C._nn.gelu, torch._C._nn.silu,
 }
-_ELEMENTWISE_METHODS = {"add", "sub", "mul", "div", "neg", "abs", "exp", "tanh", "sigmoid", "relu", "square",
+_ELEMENTWISE_METHODS = {"add", "sub", "mul", "div", "neg", "pow", "abs", "exp", "tanh", "sigmoid", "relu", "square",
                         "sqrt", "rsqrt", "sin", "cos"}
+# the elementwise ops that keep a sum of pending sums one pending sum (`x @ w + y @ v` is reduced once), and those
+# that keep a pending sum scaled by a number one
+_SUMS = {operator.add, operator.sub, torch.add, torch.sub, "add", "sub"}
+_SCALINGS = {operator.mul, operator.truediv, operator.neg, torch.mul, torch.div, torch.neg, "mul", "div", "neg"}
 
 
 def hoist_relayouts(gm: torch.fx.GraphModule) -> int:
@@ -78,7 +82,8 @@ def _leaves(producer, layout: Layout):
         return None
     leaves = []
     for arg, want in moves:
-        deeper = _leaves(arg, want) if _movable(arg) else None
+        # (not into a sum of pending sums: the constraint there is ONE reduce-scatter, one per summand below it)
+        deeper = _leaves(arg, want) if _movable(arg) and not _sums_pending_sums(arg) else None
         leaves += deeper if deeper is not None else [(producer, arg, want)]
     return leaves
 
@@ -124,8 +129,23 @@ def _input_relayouts(producer, layout: Layout):
     return moves
 
 
+def _sums_pending_sums(node) -> bool:
+    """Whether `node` adds (or subtracts) pending sums: its result is one pending sum."""
+    summands = _dtensor_inputs(node)
+    return node.target in _SUMS and len(summands) > 1 and all(map(_leaves_pending_sum, summands))
+
+
+def _dtensor_inputs(node) -> list:
+    return [n for n in node.all_input_nodes if is_dtensor(n.meta.get("example_value"))]
+
+
 def _leaves_pending_sum(node) -> bool:
-    """Whether `node` is a matrix product over a sharded contraction axis (its result is a pending sum)."""
+    """Whether `node` is a matrix product over a sharded contraction axis, a sum of such or one scaled by a number
+    (its result is a pending sum)."""
+    if _is_elementwise(node) and (_sums_pending_sums(node) or (
+            node.target in _SCALINGS and len(_dtensor_inputs(node)) == 1 == len(node.all_input_nodes)
+            and _leaves_pending_sum(node.all_input_nodes[0]))):
+        return True
     if node.op != "call_function" or node.target not in _PRODUCTS or len(node.args) < 2:
         return False
     a, b = (getattr(n, "meta", {}).get("example_value") for n in node.args[:2])
