@@ -79,6 +79,26 @@ def test_planner_steps(src, dst, pending, steps):
     assert list(planner.plan(src, dst, pending)) == steps
 
 
+@pytest.mark.parametrize("dims, src, dst, steps", [
+    ([("x", 2), ("y", 2)], ("x", "y"), ("y", "x"),
+     [Collective(Kind.PERMUTE, ("y", "x"), 0, from_dims=("x", "y"))]),
+    ([("a", 2), ("b", 2), ("c", 2)], ("a", None, "b", "c"), ("b", None, "c", "a"),
+     [Collective(Kind.PERMUTE, ("b", "c", "a"), 0, from_dims=("a", "b", "c"))]),
+    ([("x", 2), ("y", 4)], ("x", "y"), ("y", "x"),  # blocks of other shapes: not a permute
+     [Collective(Kind.ALL_GATHER, ("x",), 0), Collective(Kind.ALL_TO_ALL, ("y",), 1, 0),
+      Collective(Kind.SHARD, ("x",), 1)]),
+])
+def test_mesh_dims_of_one_size_that_only_change_axes_are_one_permute(dims, src, dst, steps):
+    """Each device's block is whole another device's: one permute, and the components are dst's."""
+    mesh = spmd.create_mesh(dims)
+    assert list(planner.plan_on(mesh, src, dst)) == steps
+    value = torch.arange(8 ** len(src), dtype=torch.float32).reshape((8,) * len(src))
+    src_layout, dst_layout = Layout.from_axes(src, mesh), Layout.from_axes(dst, mesh)
+    moved = spmd.relayout(spmd.copy_to_mesh(value, src_layout), dst_layout)
+    want = spmd.copy_to_mesh(value, dst_layout)
+    assert all(torch.equal(a, b) for a, b in zip(spmd.unpack(moved), spmd.unpack(want)))
+
+
 def test_collective_kinds_compare_as_their_names():
     assert Kind.REDUCE_SCATTER == "reduce_scatter" and repr(Kind.ALL_REDUCE) == "'all_reduce'"
 

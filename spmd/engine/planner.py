@@ -10,6 +10,8 @@ Per mesh dimension the transition table is:
 | a             | b != a        | all_to_all(a -> b), once axis b is free               |
 | pending sum   | -  / b        | all_reduce / reduce_scatter(b)                        |
 
+Mesh dims of one size that only change axes (`[x, y] -> [y, x]`) are one permute: each device's block is another's.
+
 A sum pending over several mesh dims that the target does not shard is one all-reduce over all of them.
 
 Steps are ordered so that every intermediate state is a valid layout (one mesh dimension per tensor axis).
@@ -84,7 +86,23 @@ def plan_on(mesh, src: tuple, dst: tuple, pending: tuple = (), op: str = "sum") 
     if any(type(a) is tuple for a in src) or any(type(a) is tuple for a in dst):
         return search(mesh, src, dst, pending, op)
     pending = tuple(d for d in pending if mesh.dim_size(d) > 1)
+    swap = None if pending else _swap(mesh, src, dst)
+    if swap is not None:
+        return (swap,)
     return tuple(s for s in plan(src, dst, pending, op) if mesh.dim_size(s.mesh_dims[0]) > 1)
+
+
+def _swap(mesh, src: tuple, dst: tuple) -> Collective | None:
+    """Where `dst` only moves mesh dims of one size between the axes that `src` shards (`[x, y] -> [y, x]`), each
+    device's block is whole another device's: one permute of the components. None otherwise."""
+    moved = [a for a, (s, d) in enumerate(zip(src, dst)) if s != d]
+    if not moved or any(src[a] is None or dst[a] is None for a in moved):
+        return None
+    from_dims, to_dims = tuple(src[a] for a in moved), tuple(dst[a] for a in moved)
+    if set(from_dims) != set(to_dims) or len({mesh.dim_size(m) for m in from_dims}) != 1 or \
+            mesh.dim_size(from_dims[0]) == 1:
+        return None
+    return Collective(Kind.PERMUTE, to_dims, moved[0], from_dims=from_dims)
 
 
 def search(mesh, src: tuple, dst: tuple, pending: tuple = (), op: str = "sum") -> tuple[Collective, ...]:
