@@ -106,6 +106,7 @@ class Function:
         self._max_broadcast = max_autobroadcast_elements
         self._forbid = forbidden_kinds(forbid)
         self._traces = 0
+        self._warned_limit = False
         self._top_frame = None
         self._compile = _backend(backend, mode, dynamic)
         # each new layout is a trace: allow more than torch's default of 8 per function before it stops compiling
@@ -141,7 +142,7 @@ class Function:
                 return self._body(*args, **kwargs)
         except torch._dynamo.exc.TorchDynamoException as e:
             if _raised_in_trace(e):  # the function's own code (or spmd's checks) raised: as eagerly, with its error
-                with _running:
+                with _running:  # (should it not raise eagerly, the trace's error below stands)
                     self._body(*args, **kwargs)
             raise _failed_trace(self._fn, e) from None
         if self._traces != traces:
@@ -149,7 +150,7 @@ class Function:
         return out
 
     def _warn_limit(self) -> None:
-        if not getattr(self, "_warned_limit", False):
+        if not self._warned_limit:
             self._warned_limit = True
             warnings.warn(f"spmd.function({self.__name__}) was traced {self._traces} times, its limit: it now runs "
                           "eagerly for new signatures (new layouts, shapes, dtypes or Python scalar values; pass a "

@@ -135,6 +135,15 @@ def _sums_pending_sums(node) -> bool:
     return node.target in _SUMS and len(summands) > 1 and all(map(_leaves_pending_sum, summands))
 
 
+def _scales_a_pending_sum(node) -> bool:
+    """Whether `node` multiplies (or divides) a pending sum by a number, or negates it."""
+    if node.target not in _SCALINGS or len(_dtensor_inputs(node)) != 1 or len(node.all_input_nodes) != 1:
+        return False
+    operand = node.all_input_nodes[0]
+    divides = node.target in (operator.truediv, torch.div, "div")
+    return (not divides or node.args[0] is operand) and _leaves_pending_sum(operand)  # (not `2 / sum`)
+
+
 def _dtensor_inputs(node) -> list:
     return [n for n in node.all_input_nodes if is_dtensor(n.meta.get("example_value"))]
 
@@ -142,9 +151,7 @@ def _dtensor_inputs(node) -> list:
 def _leaves_pending_sum(node) -> bool:
     """Whether `node` is a matrix product over a sharded contraction axis, a sum of such or one scaled by a number
     (its result is a pending sum)."""
-    if _is_elementwise(node) and (_sums_pending_sums(node) or (
-            node.target in _SCALINGS and len(_dtensor_inputs(node)) == 1 == len(node.all_input_nodes)
-            and _leaves_pending_sum(node.all_input_nodes[0]))):
+    if _is_elementwise(node) and (_sums_pending_sums(node) or _scales_a_pending_sum(node)):
         return True
     if node.op != "call_function" or node.target not in _PRODUCTS or len(node.args) < 2:
         return False
