@@ -300,9 +300,13 @@ def _operator(torch_fn, reflected: bool = False):
 
 for _name, _fn in {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "truediv": torch.div,
                    "matmul": torch.matmul, "pow": torch.pow, "eq": torch.eq, "ne": torch.ne, "lt": torch.lt,
-                   "le": torch.le, "gt": torch.gt, "ge": torch.ge}.items():
+                   "le": torch.le, "gt": torch.gt, "ge": torch.ge, "and": torch.bitwise_and, "or": torch.bitwise_or,
+                   "xor": torch.bitwise_xor, "lshift": torch.bitwise_left_shift,
+                   "rshift": torch.bitwise_right_shift}.items():
     setattr(DTensor, f"__{_name}__", _operator(_fn))
-for _name, _fn in {"radd": torch.add, "rmul": torch.mul, "rmatmul": torch.matmul, "rpow": torch.pow}.items():
+for _name, _fn in {"radd": torch.add, "rmul": torch.mul, "rmatmul": torch.matmul, "rpow": torch.pow,
+                   "rand": torch.bitwise_and, "ror": torch.bitwise_or, "rxor": torch.bitwise_xor,
+                   "rlshift": torch.bitwise_left_shift, "rrshift": torch.bitwise_right_shift}.items():
     setattr(DTensor, f"__{_name}__", _operator(_fn, reflected=True))
 DTensor.__rsub__ = lambda self, other: torch.rsub(self, other)
 DTensor.__rtruediv__ = lambda self, other: torch.reciprocal(self) * other  # as torch.Tensor.__rtruediv__

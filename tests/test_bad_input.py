@@ -472,3 +472,18 @@ def test_clients_gathering_different_sizes_both_raise_with_the_check_on():
                                      "['x']")
         assert "client 0: all_gather(axis 0) of torch.float32 components of shape [4]; client 1: all_gather(axis 0) " \
                "of torch.float32 components of shape [8]" in r["error"]
+
+
+def test_bitwise_operators_with_a_plain_tensor_raise_spmds_error_not_pythons():
+    """torch's operator slots turn a TypeError into NotImplemented; `plain | dtensor` (HF generate's stopping
+    criteria) would otherwise read "unsupported operand type(s)" without saying why or how to fix it."""
+    mesh = spmd.create_mesh([("x", 2)])
+    d = spmd.copy_to_mesh(torch.ones(40, dtype=torch.bool), spmd.Layout(["x"], mesh))
+    p = torch.zeros(40, dtype=torch.bool)
+    for op in (lambda: p | d, lambda: d & p, lambda: p ^ d, lambda: d | p):
+        with pytest.raises(spmd.MixedTensorError, match="implicit_replication"):
+            op()
+    with spmd.implicit_replication():
+        assert spmd.to_global(p | d).all()
+    i = spmd.copy_to_mesh(torch.arange(4), spmd.Layout(["x"], mesh))
+    assert spmd.to_global(i << 1).tolist() == [0, 2, 4, 6] and spmd.to_global(1 << i).tolist() == [1, 2, 4, 8]

@@ -10,6 +10,7 @@ import torch
 
 import spmd
 import spmd.xla as xs
+from spmd.xla import xla_model
 from spmd import UNSHARDED, Layout, LayoutError, MixedTensorError
 from spmd.demo.model import GPT, GPTConfig, megatron_layouts
 
@@ -263,3 +264,23 @@ def test_a_trace_takes_the_annotation_as_a_constraint(mesh):
     torch.testing.assert_close(spmd.to_global(out), a.global_tensor * 2 + 1)
     kinds = [c.kind for c in f.explain(a).collectives]
     assert kinds == ["all_gather", "all_gather"]
+
+
+@pytest.mark.parametrize("spec", [("data", None), (None, "model"), ("data", "model"), (("data", "model"), None)],
+                         ids=str)
+def test_writes_through_views_of_an_annotated_tensor_reach_it(spec):
+    """A view across shards holds a copy; a write into it goes back into the annotated tensor, as for any DTensor
+    (the sharded tensor's own wrapper keeps what that needs)."""
+    mesh = xs.Mesh(np.arange(4), (2, 2), ("data", "model"))
+    t, want = torch.zeros(4, 4), torch.zeros(4, 4)
+    xs.mark_sharding(t, mesh, spec)
+    for x in (t, want):
+        x[0] = 1.0
+        x[1:3].add_(2.0)
+        x[:, 3] = 7.0
+        x.view(16)[5] = -3.0
+    assert torch.equal(t.global_tensor, want)
+
+
+def test_mark_step_is_there_for_training_loops():
+    assert xla_model.mark_step() is None

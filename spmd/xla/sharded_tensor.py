@@ -131,9 +131,17 @@ class _AsSharded(torch.autograd.Function):
 
 
 def _rewrap(t: DTensor) -> XLAShardedTensor:
-    """A new `XLAShardedTensor` over `t`'s components (no copy); only below autograd, or for detached values."""
-    return DTensor.__new__(XLAShardedTensor, t._stack, t._layout, t.shape, t.requires_grad, t._pending,
-                           t._pending_op)
+    """A new `XLAShardedTensor` over `t`'s components (no copy); only below autograd, or for detached values. A
+    view that had to copy keeps what writes through it need to reach its base (see engine/dispatch.py)."""
+    out = DTensor.__new__(XLAShardedTensor, t._stack, t._layout, t.shape, t.requires_grad, t._pending,
+                          t._pending_op)
+    for name in _VIEW_MARKS:
+        if name in t.__dict__:
+            setattr(out, name, t.__dict__[name])
+    return out
+
+
+_VIEW_MARKS = ("_copied_view", "_view_of")
 
 
 def _replica_id(layout, location) -> int:

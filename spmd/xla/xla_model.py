@@ -11,7 +11,7 @@ import torch
 
 from spmd.xla import runtime
 
-__all__ = ["xla_device", "get_xla_supported_devices"]
+__all__ = ["xla_device", "get_xla_supported_devices", "mark_step"]
 
 
 def xla_device(n: int | None = None) -> torch.device:
@@ -25,3 +25,8 @@ def get_xla_supported_devices(devkind: str | None = None) -> list[str]:
     """The names of this process's devices (`'CPU:0'`, ...): one per device a mesh may use."""
     kind = (devkind or runtime.device_type()).upper()
     return [f"{kind}:{i}" for i in range(runtime.addressable_runtime_device_count())]
+
+
+def mark_step(wait: bool = False, reset_scope: bool = True) -> None:
+    """Nothing to do: spmd runs each op as it is called (PyTorch/XLA's lazy tensors run the graph built so far
+    here). Kept so that training loops port unchanged."""
