@@ -659,6 +659,24 @@ def disagreeing_sizes():
         _result({"error": str(e), "type": type(e).__name__})
 
 
+def extra_collective_before_to_global():
+    """Client 0 runs a reduction the other does not, then both call to_global, with SPMD_CHECK_COLLECTIVES=1: each
+    raises a CollectiveError naming what the other runs (without the check, gloo aborts one)."""
+    import torch
+    import spmd
+    from spmd import UNSHARDED as U, Layout
+    spmd.initialize_accelerator_system("CPU", num_logical_cpu_devices=1)
+    mesh = spmd.create_distributed_mesh([("x", 2)])
+    t = spmd.copy_to_mesh(torch.arange(8.).reshape(4, 2), Layout(["x", U], mesh))
+    try:
+        if spmd.client_id() == 0:
+            t.sum().item()
+        spmd.to_global(t)
+        _result({"error": None})
+    except spmd.CollectiveError as e:
+        _result({"error": str(e), "type": type(e).__name__})
+
+
 def killed_in_backward():
     """Client 1 dies in the middle of a bucketed backward (after its first bucket started): client 0 fails with a
     CollectiveError, within the collective timeout."""

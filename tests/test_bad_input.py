@@ -474,6 +474,17 @@ def test_clients_gathering_different_sizes_both_raise_with_the_check_on():
                "of torch.float32 components of shape [8]" in r["error"]
 
 
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
+def test_a_collective_on_one_client_before_to_global_is_named_on_both_with_the_check_on():
+    from tests import clients
+    worker = os.path.join(os.path.dirname(__file__), "multiclient_worker.py")
+    results, _ = clients.launch([worker, "extra_collective_before_to_global"], env={"SPMD_CHECK_COLLECTIVES": "1"},
+                                hard_timeout=60)
+    for r in results:
+        assert r["type"] == "CollectiveError" and "disagree" in r["error"], r
+    assert "(to_global)" in results[0]["error"] + results[1]["error"]
+
+
 def test_bitwise_operators_with_a_plain_tensor_raise_spmds_error_not_pythons():
     """torch's operator slots turn a TypeError into NotImplemented; `plain | dtensor` (HF generate's stopping
     criteria) would otherwise read "unsupported operand type(s)" without saying why or how to fix it."""

@@ -1,5 +1,6 @@
 """End-to-end parity: a transformer block and an MLP train on sharded meshes exactly as in plain torch."""
 
+import copy
 import math
 
 import pytest
@@ -88,3 +89,21 @@ def test_transformer_block_matches_plain_torch(mesh_dims, batch, opt_cls, kwargs
         expected = MEGATRON.get(name, [U] * p.dim()) if "model" in dict(mesh_dims) else [U] * p.dim()
         assert spmd.fetch_layout(p).sharding_specs == expected, name  # training keeps every layout
         torch.testing.assert_close(spmd.to_global(p), q.detach(), rtol=1e-9, atol=1e-12)
+
+
+def test_gradients_from_autograd_grad_can_be_scaled_in_place():
+    """`torch.autograd.grad`'s weight gradient of a batch-sharded step is autograd's transpose of a pending sum (a
+    view that resolves apart from its base): an in-place op on it (manual clipping, scaling) writes through."""
+    mesh = spmd.create_mesh([("batch", 2)])
+    torch.manual_seed(0)
+    plain = torch.nn.Linear(8, 4)
+    model = spmd.distribute_module(copy.deepcopy(plain), mesh)
+    x = torch.randn(8, 8)
+    got = torch.autograd.grad(model(spmd.copy_to_mesh(x, Layout(["batch", UNSHARDED], mesh))).pow(2).mean(),
+                              [model.weight, model.bias])
+    want = torch.autograd.grad(plain(x).pow(2).mean(), [plain.weight, plain.bias])
+    for grads in (got, want):
+        grads[0].mul_(2)
+        torch._foreach_mul_(list(grads), 0.5)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(spmd.to_global(g), w)

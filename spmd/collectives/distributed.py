@@ -528,6 +528,9 @@ class DistributedCollectives(Collectives):
         return out
 
     def assemble(self, x, mesh, axes):
+        if _checking(x):  # (every client of the mesh takes part)
+            for batch in _plan(mesh, tuple(mesh.dim_names)).batches:
+                self._check_agreement(x, f"assemble {list(axes)} (to_global)", mesh, tuple(mesh.dim_names), batch)
         return assembly.assemble(x, mesh, axes)  # each distinct shard sent once, by one client holding it
 
     def move(self, x, mesh, axes, dst_mesh, dst_axes, shape):

@@ -378,9 +378,25 @@ _SCATTERS = {torch.ops.aten.diagonal.default: torch.ops.aten.diagonal_scatter.de
              torch.ops.aten.select.int: torch.ops.aten.select_scatter.default,
              torch.ops.aten.slice.Tensor: torch.ops.aten.slice_scatter.default,
              torch.ops.aten.as_strided.default: torch.ops.aten.as_strided_scatter.default}
-# view ops that reshape their whole base: a view's values, shaped back, are the base's
-_RESHAPES = frozenset({torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
-                       torch.ops.aten.reshape.default, torch.ops.aten._reshape_alias.default})
+
+
+def _reshaped_back(view, base, rest):
+    return dispatch(torch.ops.aten.view.default, (view, list(base.shape)))
+
+
+def _permuted_back(view, base, rest):
+    dims = [d % base.dim() for d in rest[0]]
+    return dispatch(torch.ops.aten.permute.default, (view, sorted(range(len(dims)), key=dims.__getitem__)))
+
+
+# view ops whose view is their whole base, rearranged: view op -> (view, base, the op's other arguments) -> the
+# base's values (a gradient autograd transposes, `torch.autograd.grad`'s, is such a view of a pending sum)
+_INVERSES = {torch.ops.aten.view.default: _reshaped_back, torch.ops.aten._unsafe_view.default: _reshaped_back,
+             torch.ops.aten.reshape.default: _reshaped_back, torch.ops.aten._reshape_alias.default: _reshaped_back,
+             torch.ops.aten.t.default: lambda view, base, rest: dispatch(torch.ops.aten.t.default, (view,)),
+             torch.ops.aten.transpose.int: lambda view, base, rest: dispatch(torch.ops.aten.transpose.int,
+                                                                             (view, *rest)),
+             torch.ops.aten.permute.default: _permuted_back}
 
 
 def _writes_back(view: DTensor) -> bool:
@@ -395,14 +411,14 @@ def _writes_back(view: DTensor) -> bool:
 
 def _write_back(view: DTensor) -> None:
     """An in-place op wrote into a view whose components are a copy (its base's layout had to change when it was
-    taken), or share a copy's memory: the copy's values go into its base through its view op's scatter (a reshape's:
-    the values shaped back), as torch's functionalization writes a mutated view back (a base that is such a view
-    itself writes on into its own)."""
+    taken), or share a copy's memory: the copy's values go into its base through its view op's scatter (a reshape's
+    or transpose's: the values rearranged back), as torch's functionalization writes a mutated view back (a base
+    that is such a view itself writes on into its own)."""
     while view._view_of[1] is None:
         view = view._view_of[0]
     base, func, rest, kwargs = view._view_of
-    if func in _RESHAPES:
-        value = dispatch(torch.ops.aten.view.default, (view, list(base.shape)))
+    if func in _INVERSES:
+        value = _INVERSES[func](view, base, rest)
     else:
         value = dispatch(_SCATTERS[func], (base, view, *rest), kwargs)
     dispatch(torch.ops.aten.copy_.default, (base, value))
@@ -433,7 +449,7 @@ def _mark_copied(out, func, args, kwargs):
     for t in (out if isinstance(out, tuple) else (out,)):
         if isinstance(t, DTensor):
             t._copied_view = True
-            if func is None or func in _SCATTERS or func in _RESHAPES:
+            if func is None or func in _SCATTERS or func in _INVERSES:
                 t._view_of = (args[0], func, args[1:], kwargs)
     return out
 
