@@ -111,7 +111,9 @@ class DVariable(DTensor):
         tensor subclass for a detached instance of its own type: `model.to(device)` and `.float()`, which leave a
         parameter as it is, wrap it anew."""
         out = super().detach()
-        return DTensor.__new__(DVariable, out._stack, out._layout, out.shape, strides=out.stride())
+        if type(out) is DTensor:  # (a controller mesh's is its remote twin's class: left as it is)
+            out.__class__ = DVariable
+        return out
 
     def read_value(self) -> DTensor:
         """A copy of the current value (differentiable)."""
