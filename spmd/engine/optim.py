@@ -30,7 +30,7 @@ from torch.optim import optimizer
 
 from spmd.collectives.local import shared
 from spmd.dtensor import DTensor
-from spmd.engine import planner
+from spmd.engine.dispatch import distributed
 from spmd.engine.foreach import once_where_shared, same_keys
 
 _KEY, _STACK, _PENDING, _COPIED_VIEW = map(operator.attrgetter, ("_key", "_stack", "_pending", "_copied_view"))
@@ -68,8 +68,7 @@ def _laid_out_like_the_parameter(param, value, *args, **kwargs):
     tensor shaped like the parameter is laid out like it, as torch moves it to the parameter's device and dtype."""
     value = _PROCESS(param, value, *args, **kwargs)
     if isinstance(param, DTensor) and type(value) is torch.Tensor and value.shape == param.shape:
-        layout = param._layout
-        return DTensor(planner.distribute(value, layout.mesh, layout.axes), layout, value.shape)
+        return distributed(value, param._layout)
     return value
 
 

@@ -61,7 +61,7 @@ class XLAShardedTensor(DTensor):
         with EAGER_IMPLICIT_REPLICATION:
             out = dispatch.torch_dispatch(DTensor, func, types, args, kwargs)
         inputs = {id(a) for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, DTensor)}
-        return pytree.tree_map_only(DTensor, lambda t: t if id(t) in inputs else _rewrap(t), out)
+        return pytree.tree_map_only(DTensor, lambda t: t if id(t) in inputs else _retyped(t), out)
 
     @property
     def global_tensor(self) -> torch.Tensor:
@@ -131,17 +131,16 @@ class _AsSharded(torch.autograd.Function):
 
 
 def _rewrap(t: DTensor) -> XLAShardedTensor:
-    """A new `XLAShardedTensor` over `t`'s components (no copy); only below autograd, or for detached values. A
-    view that had to copy keeps what writes through it need to reach its base (see engine/dispatch.py)."""
-    out = DTensor.__new__(XLAShardedTensor, t._stack, t._layout, t.shape, t.requires_grad, t._pending,
-                          t._pending_op)
-    for name in _VIEW_MARKS:
-        if name in t.__dict__:
-            setattr(out, name, t.__dict__[name])
-    return out
+    """A new `XLAShardedTensor` over `t`'s components (no copy); only below autograd, or for detached values."""
+    return DTensor.__new__(XLAShardedTensor, t._stack, t._layout, t.shape, t.requires_grad, t._pending,
+                           t._pending_op)
 
 
-_VIEW_MARKS = ("_copied_view", "_view_of")
+def _retyped(t: DTensor) -> XLAShardedTensor:
+    """An op's fresh result as an `XLAShardedTensor`, in place: it keeps everything the engine set on it (a view
+    that had to copy keeps what writes through it need to reach its base, see engine/dispatch.py)."""
+    t.__class__ = XLAShardedTensor
+    return t
 
 
 def _replica_id(layout, location) -> int:
