@@ -47,7 +47,8 @@ from typing import Mapping, MutableMapping
 
 import torch
 
-from spmd.clients import collective_timeout
+from spmd.collectives.distributed import CHECKPOINT_LOAD, CHECKPOINT_SAVE, check_boundary
+from spmd.collectives.groups import lost_peer, unreachable
 from spmd.collectives.local import shared
 from spmd.dtensor import DTensor
 from spmd.errors import CheckpointError, CollectiveError
@@ -393,12 +394,15 @@ class _Clients:
         self.dist.all_gather_object(results, mine)
         return {rank: e for rank, e in enumerate(results) if e is not None}
 
-    def lost(self, what: str, path, error: BaseException):
+    def start(self, what: str, path) -> None:
+        """Before `what` (save or load) of `path`: with SPMD_CHECK_COLLECTIVES, checks that every client starts it."""
+        if self.dist is not None:
+            check_boundary(CHECKPOINT_SAVE if what == "save" else CHECKPOINT_LOAD)
+
+    @staticmethod
+    def lost(what: str, path, error: BaseException) -> CollectiveError:
         """The error to raise when the other clients could not be reached during `what`."""
-        return CollectiveError(
-            f"client {self.rank} of {self.size}: spmd.checkpoint.{what} of {str(path)!r} failed: the other clients "
-            f"could not be reached (one died or stalled; the collective timeout is "
-            f"{collective_timeout().total_seconds():g}s, SPMD_COLLECTIVE_TIMEOUT): {type(error).__name__}: {error}")
+        return unreachable(f"spmd.checkpoint.{what} of {str(path)!r}", error)
 
 
 class _dcp_call(warnings.catch_warnings):
@@ -416,14 +420,6 @@ class _dcp_call(warnings.catch_warnings):
         if type(error).__name__ == "CheckpointException" and failures:
             raise failures[min(failures)][0] from error
         return False
-
-
-def _is_lost_peer(error: BaseException) -> bool:
-    """A communication failure of torch.distributed (a peer closed its connection or timed out)."""
-    import torch.distributed as dist
-    text = str(error)
-    return isinstance(error, getattr(dist, "DistError", ())) or any(
-        word in text for word in ("Connection reset", "Connection closed", "Timed out", "timed out", "gloo"))
 
 
 def _fsync_dir(path: Path) -> None:
@@ -475,7 +471,13 @@ def save(state_dict: dict, path) -> None:
     if session is not None:  # controller DTensors: their workers write the shards (spmd/controller/checkpoint.py)
         return session.checkpoint_save(plain, path)
     clients = _Clients()
-    token = clients.broadcast(_token() if clients.is_coordinator else None)
+    clients.start("save", path)
+    try:
+        token = clients.broadcast(_token() if clients.is_coordinator else None)
+    except RuntimeError as e:
+        if lost_peer(e):
+            raise clients.lost("save", path, e) from e
+        raise
     tmp = path.parent / f".{path.name}.tmp-{token}"
     path.parent.mkdir(parents=True, exist_ok=True)
     error = None
@@ -613,11 +615,12 @@ def load(state_dict: dict, path, *, strict: bool = True) -> None:
 def _load_here(dcp, template: dict, reader, planner, path: Path) -> None:
     """DCP's load of `template` by this process (and the other clients, with a process group)."""
     clients = _Clients()
+    clients.start("load", path)
     try:
         with _dcp_call():
             dcp.load(template, storage_reader=reader, planner=planner)
     except RuntimeError as e:
-        if clients.dist is not None and _is_lost_peer(e):
+        if clients.dist is not None and lost_peer(e):
             raise clients.lost("load", path, e) from e
         raise
 

@@ -17,7 +17,7 @@ from rich.table import Table
 
 import spmd
 from spmd import UNSHARDED, Layout
-from spmd.demo.train import DemoArgs, parse_mesh, run
+from spmd.demo.train import DemoArgs, check_args, load_corpus, parse_mesh, run
 from spmd.mesh import short_device_name
 
 
@@ -98,26 +98,43 @@ def _train(console: Console, steps: int) -> None:
 
 def demo(args, argv: list[str]) -> int:
     in_job = int(os.environ.get("WORLD_SIZE", "1") or 1) > 1 or bool(os.environ.get("DTENSOR_JOBS"))
+    demo_args = DemoArgs(**{k: v for k, v in vars(args).items() if k in DemoArgs.__dataclass_fields__})
     if args.clients > 1 and not in_job:
+        _devices_per_client(demo_args, args.clients)  # (the flags' errors once, before the clients start)
         return _launch_clients(args.clients, argv)
     console = Console()
     if in_job:  # one client of a multi-client job (torchrun, `--clients`, or DTENSOR_JOBS): client 0 prints
-        try:
-            size = math.prod(s for _, s in parse_mesh(args.mesh))
-        except ValueError as e:
-            raise SystemExit(f"spmd demo: error: {e}") from None
-        clients = spmd.num_clients()
-        if size % clients:
-            raise SystemExit(f"--mesh {args.mesh} has {size} devices, which do not split over {clients} clients")
+        per_client = _devices_per_client(demo_args, spmd.num_clients())
         spmd.initialize_accelerator_system("GPU" if args.device == "cuda" else "CPU",
-                                           num_logical_cpu_devices=size // clients)
+                                           num_logical_cpu_devices=per_client)
         console = Console(quiet=spmd.client_id() != 0)
-    fields = {k: v for k, v in vars(args).items() if k in DemoArgs.__dataclass_fields__}
     try:
-        result = run(DemoArgs(**fields), console)
+        result = run(demo_args, console)
     except ValueError as e:  # a flag the demo cannot train with: one line, as argparse reports its own errors
         raise SystemExit(f"spmd demo: error: {e}") from None
     return 0 if result.get("parity", True) else 1
+
+
+def _devices_per_client(args: DemoArgs, clients: int) -> int:
+    """The mesh's devices per client; the flags' errors (as `run` would raise them) as one line."""
+    data, vocab = load_corpus()
+    try:
+        mesh_dims = parse_mesh(args.mesh)
+        check_args(args, mesh_dims, vocab, len(data))
+    except ValueError as e:
+        raise SystemExit(f"spmd demo: error: {e}") from None
+    size = math.prod(s for _, s in mesh_dims)
+    if size % clients:
+        raise SystemExit(f"spmd demo: error: --mesh {args.mesh} has {size} devices, which do not split over "
+                         f"{clients} clients")
+    return size // clients
+
+
+def _at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def _launch_clients(n: int, argv: list[str]) -> int:
@@ -183,12 +200,12 @@ def main(argv=None) -> int:
                        help="also shard parameters, gradients and optimizer state over 'batch' (FSDP / ZeRO-3)")
     train.add_argument("--no-check", dest="check", action="store_false",
                        help="skip the single-device run that checks the loss curve")
-    train.add_argument("--clients", type=int, default=1,
+    train.add_argument("--clients", type=_at_least_one, default=1,
                        help="run as this many client processes on this machine (a multi-client job over "
                             "torch.distributed, as torchrun --nproc-per-node N would); the mesh's devices are "
                             "split evenly over the clients")
     guided = commands.add_parser("tour", help="a guided tour of meshes, layouts, DTensors and SPMD expansion")
-    guided.add_argument("--steps", type=int, default=5, help="training steps in the last section")
+    guided.add_argument("--steps", type=_at_least_one, default=5, help="training steps in the last section")
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     return demo(args, argv) if args.command == "demo" else tour(args)

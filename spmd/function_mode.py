@@ -18,7 +18,10 @@ import torch
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from spmd import clients
 from spmd.api import copy_to_mesh, relayout
+from spmd.collectives.distributed import FUNCTION_CALL, check_boundary
+from spmd.collectives.groups import lost_peer, unreachable
 from spmd.collectives.local import one_copy
 from spmd.dtensor import DTensor, pending_dtensors
 from spmd.engine import dispatch
@@ -122,11 +125,19 @@ class Function:
             return self._body(*args, **kwargs)
         given = (args, kwargs)
         args, kwargs = self._broadcast(args, kwargs)
-        if self._whole_step is not None:
-            with _running:
-                out = self._whole_step(args, kwargs)
-        else:
-            out = self._run(args, kwargs)
+        mesh = _multi_client_mesh(args, kwargs)
+        if mesh is not None:
+            check_boundary(FUNCTION_CALL, mesh)
+        try:
+            if self._whole_step is not None:
+                with _running:
+                    out = self._whole_step(args, kwargs)
+            else:
+                out = self._run(args, kwargs)
+        except RuntimeError as e:  # a collective of a compiled graph failed: say which call, as eager ops do
+            if mesh is not None and not isinstance(e, errors.CollectiveError) and lost_peer(e):
+                raise unreachable(f"spmd.function({self.__name__})", e) from e
+            raise
         if args is not given[0] or kwargs is not given[1]:
             _write_back_plain(given, (args, kwargs))
         return out
@@ -281,6 +292,15 @@ def _remote_of(gm, example_inputs):
     attrs = [getattr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"]
     mesh = next((t._layout.mesh for t in [*example_inputs, *attrs] if isinstance(t, DTensor)), None)
     return None if mesh is None else mesh.remote
+
+
+def _multi_client_mesh(args, kwargs):
+    """The mesh of the arguments' DTensors when it spans several clients, else None."""
+    if not clients.is_initialized() or clients.current().num_clients == 1:
+        return None
+    leaves = pytree.tree_leaves((args, kwargs))
+    mesh = next((t._layout.mesh for t in leaves if isinstance(t, DTensor)), None)
+    return mesh if mesh is not None and not mesh.is_fully_local() and mesh.remote is None else None
 
 
 def _is_leaf(t) -> bool:

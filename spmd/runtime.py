@@ -286,28 +286,26 @@ def create_distributed_mesh(mesh_dims: Sequence[tuple[str, int]] | dict[str, int
     if wrong:
         raise ValueError(f"Conflicting devices {devices} and device_type {t}")
     per_client = len(devices)
+    if state.num_clients > 1:  # first, so that a client whose request is invalid does not leave the others waiting
+        _agree(_describe(mesh_name, names, shape, t, per_client))
     total = per_client * state.num_clients
     if total != math.prod(shape):
         raise ValueError(f"Global number of devices ({per_client} per client * {state.num_clients} clients = "
                          f"{total}) must be equal to total size of the mesh of shape {shape}")
     ids = np.arange(total).reshape(shape)
     local_ids = ids.ravel()[state.client_id * per_client:(state.client_id + 1) * per_client].tolist()
-    mesh = Mesh(names, ids, local_ids, devices, mesh_name)
-    if state.num_clients > 1:
-        _agree(mesh, t, per_client)
-    return mesh
+    return Mesh(names, ids, local_ids, devices, mesh_name)
 
 
-def _describe(mesh: Mesh, device_type: str, per_client: int) -> str:
-    dims = ",".join(f"{n}={s}" for n, s in zip(mesh.dim_names, mesh.shape()))
-    return f"{mesh.name}|{dims}|{device_type}x{per_client} per client"
+def _describe(mesh_name: str, names: list[str], shape: list[int], device_type: str, per_client: int) -> str:
+    dims = ",".join(f"{n}={s}" for n, s in zip(names, shape))
+    return f"{mesh_name}|{dims}|{device_type}x{per_client} per client"
 
 
-def _agree(mesh: Mesh, device_type: str, per_client: int) -> None:
-    """All clients exchange what mesh they are creating; any difference is a ValueError on every client."""
+def _agree(mine: str) -> None:
+    """All clients exchange what mesh they are creating (`mine`); any difference is a ValueError on every client."""
     import torch.distributed as dist
     state = _state()
-    mine = _describe(mesh, device_type, per_client)
     everyone: list = [None] * state.num_clients
     try:
         dist.all_gather_object(everyone, mine, group=state.control)
@@ -317,9 +315,12 @@ def _agree(mesh: Mesh, device_type: str, per_client: int) -> None:
             from e
     for other, theirs in enumerate(everyone):
         if theirs != mine:
+            devices_only = theirs.rsplit("|", 1)[0] == mine.rsplit("|", 1)[0]
             raise ValueError(f"clients disagree about the mesh in create_distributed_mesh: client "
-                             f"{state.client_id} creates '{mine}' but client {other} creates '{theirs}'; every "
-                             "client must create the same meshes in the same order")
+                             f"{state.client_id} creates '{mine}' but client {other} creates '{theirs}'; " + (
+                                 "every client must hold as many devices (the same num_logical_cpu_devices in "
+                                 "initialize_accelerator_system, or as many local_devices)" if devices_only else
+                                 "every client must create the same meshes in the same order"))
 
 
 def barrier(mesh: Mesh, barrier_name: str | None = None, timeout_in_ms: int | None = None) -> None:

@@ -8,9 +8,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
-import os
 import sys
-import time
 
 
 def _result(value) -> None:
@@ -310,37 +308,8 @@ def compiled_training():
              "collectives": graphs, "inductor_all_reduces": calls})
 
 
-def dead_client():
-    import torch
-    import spmd
-    from spmd import Layout
-    spmd.initialize_accelerator_system("CPU", num_logical_cpu_devices=2)
-    mesh = spmd.create_distributed_mesh([("x", 4)])
-    t = spmd.pack([torch.ones(2), torch.ones(2)], Layout(["x"], mesh))
-    t.sum().item()  # both clients are alive here
-    if spmd.client_id() == 1:
-        if os.environ.get("SPMD_TEST_FAULT") == "stall":
-            time.sleep(60)
-        if os.environ.get("SPMD_TEST_FAULT") == "raise":
-            raise RuntimeError("a bug in client 1")  # an unhandled exception: the client exits with an error
-        os._exit(0)  # dies without a word
-    start = time.monotonic()
-    try:
-        spmd.relayout(t, Layout.replicated(mesh, 1))
-        _result({"error": None})
-    except spmd.CollectiveError as e:
-        _result({"error": str(e), "type": type(e).__name__, "elapsed": time.monotonic() - start})
 
 
-def mismatch():
-    import spmd
-    spmd.initialize_accelerator_system("CPU", num_logical_cpu_devices=2)
-    dims = [("x", 4)] if spmd.client_id() == 0 else [("x", 2), ("y", 2)]
-    try:
-        spmd.create_distributed_mesh(dims, mesh_name="m")
-        _result({"error": None})
-    except ValueError as e:
-        _result({"error": str(e), "type": type(e).__name__})
 
 
 def dtensor_env():
@@ -642,62 +611,10 @@ def fsdp_training():
              "2d": _fsdp_training(mesh, tensor_parallel=True)})
 
 
-def disagreeing_sizes():
-    """The clients all-gather tensors of different sizes (4 and 8 rows) with SPMD_CHECK_COLLECTIVES=1: every client
-    raises a CollectiveError naming both (without the check, gloo aborts one process)."""
-    import torch
-    import spmd
-    from spmd import UNSHARDED as U, Layout
-    spmd.initialize_accelerator_system("CPU", num_logical_cpu_devices=1)
-    mesh = spmd.create_distributed_mesh([("x", 2)])
-    rows = 4 if spmd.client_id() == 0 else 8
-    t = spmd.pack([torch.ones(rows)], Layout(["x"], mesh))
-    try:
-        spmd.relayout(t, Layout([U], mesh))
-        _result({"error": None})
-    except spmd.CollectiveError as e:
-        _result({"error": str(e), "type": type(e).__name__})
 
 
-def extra_collective_before_to_global():
-    """Client 0 runs a reduction the other does not, then both call to_global, with SPMD_CHECK_COLLECTIVES=1: each
-    raises a CollectiveError naming what the other runs (without the check, gloo aborts one)."""
-    import torch
-    import spmd
-    from spmd import UNSHARDED as U, Layout
-    spmd.initialize_accelerator_system("CPU", num_logical_cpu_devices=1)
-    mesh = spmd.create_distributed_mesh([("x", 2)])
-    t = spmd.copy_to_mesh(torch.arange(8.).reshape(4, 2), Layout(["x", U], mesh))
-    try:
-        if spmd.client_id() == 0:
-            t.sum().item()
-        spmd.to_global(t)
-        _result({"error": None})
-    except spmd.CollectiveError as e:
-        _result({"error": str(e), "type": type(e).__name__})
 
 
-def killed_in_backward():
-    """Client 1 dies in the middle of a bucketed backward (after its first bucket started): client 0 fails with a
-    CollectiveError, within the collective timeout."""
-    import torch
-    import spmd
-    from spmd import UNSHARDED as U, Layout
-    spmd.initialize_accelerator_system("CPU", num_logical_cpu_devices=1)
-    mesh = spmd.create_distributed_mesh([("batch", 2)])
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
-    spmd.distribute_module(model, mesh, bucket_cap_mb=1e-6)  # one gradient per bucket
-    if spmd.client_id() == 1:
-        model[0].weight.register_post_accumulate_grad_hook(lambda p: os._exit(0))
-    dx = spmd.copy_to_mesh(torch.randn(4, 8), Layout(["batch", U], mesh))
-    spmd.barrier(mesh)  # both clients are alive here
-    start = time.monotonic()
-    try:
-        model(dx).sum().backward()
-        [spmd.to_global(p.grad) for p in model.parameters()]
-        _result({"error": None})
-    except spmd.CollectiveError as e:
-        _result({"error": str(e), "type": type(e).__name__, "elapsed": time.monotonic() - start})
 
 
 if __name__ == "__main__":

@@ -35,7 +35,8 @@ Clients that disagree (a different program, tensors of different sizes) send buf
 then aborts the receiving process (SIGABRT) rather than raising. With `SPMD_CHECK_COLLECTIVES=1` (every client must
 set it) each collective first all-gathers a fixed-size summary of what each client sends (the collective, the
 dtype, each device's component shape), so that every client raises a `CollectiveError` naming the difference: one
-more small collective each, hence opt-in.
+more small collective each, hence opt-in. Calls that run several collectives, or a compiled graph's (a checkpoint's
+save and load, a call of an `spmd.function`), are checked the same way once before they start (`check_boundary`).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from spmd.collectives import assembly, p2p
 from spmd.collectives.groups import (all_gather as _all_gather, const as _const, failure, group as _group,
-                                     owners as _owners, tracing as _tracing, wire as _wire)
+                                     owners as _owners, tracing as _tracing, unreachable, wire as _wire)
 from spmd.collectives.base import Collectives
 from spmd.errors import CollectiveError
 
@@ -145,8 +146,12 @@ def _make_plan(mesh, dims: tuple[str, ...]) -> _Plan:
     return _Plan(tuple(batches), mesh.num_local_devices())
 
 
+def _checking_enabled() -> bool:
+    return os.environ.get("SPMD_CHECK_COLLECTIVES", "") not in ("", "0")
+
+
 def _checking(x: torch.Tensor) -> bool:
-    return os.environ.get("SPMD_CHECK_COLLECTIVES", "") not in ("", "0") and not _tracing(x)
+    return _checking_enabled() and not _tracing(x)
 
 
 _SUMMARY_RANK = 8  # component dims a summary holds (more are folded into the last)
@@ -161,10 +166,48 @@ def _summary(what: str, x: torch.Tensor) -> torch.Tensor:
     return torch.tensor(head + shape + [0] * (_SUMMARY_RANK - len(shape)), dtype=torch.int64, device=x.device)
 
 
+# calls every client makes together that are not one collective (each runs several, or a compiled graph's)
+BOUNDARIES = CHECKPOINT_SAVE, CHECKPOINT_LOAD, FUNCTION_CALL = (
+    "spmd.checkpoint.save", "spmd.checkpoint.load", "a call of an spmd.function")
+
+
 def _describe(summary: list[int], names: dict[int, str]) -> str:
     what, dtype, rank = summary[:3]
+    if names.get(what) in BOUNDARIES:
+        return names[what]
     return f"{names.get(what, 'another collective')} of {names.get(dtype, 'another dtype')} components of shape " \
            f"{summary[3:3 + min(rank, _SUMMARY_RANK)]}"
+
+
+def _disagreement(mine: torch.Tensor, group, ranks: tuple[int, ...], what: str) -> str | None:
+    """Every client of `group` (ranks `ranks`) shares its summary: None when all are `mine`, else what each runs."""
+    every = _all_gather(mine, group, len(ranks)).tolist()
+    if all(s == every[0] for s in every):
+        return None
+    axes = range(_SUMMARY_RANK)  # the collectives another client may run, by name (a summary holds a hash)
+    words = [what, *BOUNDARIES, "all_reduce(sum) of a gradient bucket", *(f"all_reduce({op})" for op in _OPS),
+             *(f"all_gather(axis {a})" for a in axes), *(f"all_to_all(axis {a} -> {b})" for a in axes for b in axes),
+             *(str(d) for d in vars(torch).values() if isinstance(d, torch.dtype))]
+    names = {zlib.crc32(w.encode()): w for w in words}
+    return "; ".join(f"client {r}: {_describe(s, names)}" for r, s in zip(ranks, every))
+
+
+def check_boundary(what: str, mesh=None) -> None:
+    """With SPMD_CHECK_COLLECTIVES, before `what` (one of BOUNDARIES), which the clients of `mesh` (default: all)
+    must call together: raises a CollectiveError on each of them when the others are about to run something else."""
+    if not _checking_enabled() or not dist.is_initialized():
+        return
+    ranks = tuple(sorted(set(_owners(mesh)))) if mesh is not None else tuple(range(dist.get_world_size()))
+    group = _group(ranks)
+    if group is None:
+        return
+    try:
+        differs = _disagreement(_summary(what, torch.empty(1, 0)), group, ranks, what)
+    except RuntimeError as e:
+        raise unreachable(what, e) from e
+    if differs:
+        raise CollectiveError(f"client {dist.get_rank()} of {dist.get_world_size()}: the clients {list(ranks)} "
+                              f"disagree on what runs next: {differs}. Every client must run the same program")
 
 
 # the three calls of torch.distributed this backend makes, each eager (into a buffer) or traced (functional)
@@ -219,7 +262,7 @@ class DistributedCollectives(Collectives):
         """(groups, *local): the sum of this client's members of each group (no copy when it is `x` itself)."""
         if batch.identity:
             return x
-        return self._contributions(x, batch).sum(1)
+        return self._contributions(x, batch).sum(1, dtype=None if x.dtype == torch.bool else x.dtype)
 
     def spread(self, sums: torch.Tensor, batch: _Batch) -> torch.Tensor:
         """(L, *local): each local member's group's value of `sums` (groups, *local)."""
@@ -249,16 +292,12 @@ class DistributedCollectives(Collectives):
         group = _group(batch.ranks)
         if group is None or not _checking(x):
             return
-        mine = _summary(what, x)
         try:
-            every = _all_gather(mine, group, len(batch.ranks)).tolist()
+            sends = _disagreement(_summary(what, x), group, batch.ranks, what)
         except RuntimeError as e:
             self._fail(e, what, mesh, dims, batch)
-        if all(s == every[0] for s in every):
+        if sends is None:
             return
-        dtypes = [v for v in vars(torch).values() if isinstance(v, torch.dtype)]
-        names = {zlib.crc32(str(d).encode()): str(d) for d in dtypes} | {zlib.crc32(what.encode()): what}
-        sends = "; ".join(f"client {r}: {_describe(s, names)}" for r, s in zip(batch.ranks, every))
         raise CollectiveError(
             f"client {dist.get_rank()} of {dist.get_world_size()}: the clients {list(batch.ranks)} disagree on a "
             f"collective over mesh dim(s) {list(dims)} of mesh {dict(zip(mesh.dim_names, mesh.shape()))}: {sends}. "
@@ -348,7 +387,7 @@ class DistributedCollectives(Collectives):
             mine = self._contributions(x, batch)  # (groups, slots, *local)
             valid = (_const(batch.mine, x) >= 0).view(batch.mine.shape + (1,) * (x.dim() - 1))
             if op in ("sum", "avg"):
-                partial = mine.sum(1)
+                partial = mine.sum(1, dtype=None if x.dtype == torch.bool else x.dtype)
             else:
                 fill = torch.finfo(x.dtype).min if x.dtype.is_floating_point else torch.iinfo(
                     x.dtype if x.dtype != torch.bool else torch.uint8).min

@@ -1,5 +1,5 @@
 """What every multi-client collective module shares: which client holds which device, the process group of a rank
-set, the wire format of a component, and the error a failed collective raises."""
+set, the wire format of a component, and the errors a failed collective raises."""
 
 from __future__ import annotations
 
@@ -88,3 +88,20 @@ def failure(e: Exception, what: str, mesh, dims, ranks) -> CollectiveError:
         f"{mesh.name + ' ' if mesh.name else ''}{dict(zip(mesh.dim_names, mesh.shape()))} with clients "
         f"{list(ranks)} failed (waiting for client(s) {peers}; the collective timeout is "
         f"{collective_timeout().total_seconds():g}s, SPMD_COLLECTIVE_TIMEOUT): {type(e).__name__}: {e}")
+
+
+def lost_peer(error: BaseException) -> bool:
+    """Whether `error` is a communication failure of torch.distributed: a peer closed its connection, or did not
+    answer within the timeout."""
+    text = str(error)
+    return isinstance(error, getattr(dist, "DistError", ())) or any(
+        word in text for word in ("Connection reset", "Connection closed", "Timed out", "timed out", "gloo"))
+
+
+def unreachable(what: str, error: BaseException) -> CollectiveError:
+    """The error of `what`, a call every client makes together, when the other clients could not be reached."""
+    return CollectiveError(
+        f"client {dist.get_rank()} of {dist.get_world_size()}: {what} failed: the other clients could not be "
+        f"reached: one died or stalled, or runs another part of the program (every client must make this call; "
+        f"the collective timeout is {collective_timeout().total_seconds():g}s, SPMD_COLLECTIVE_TIMEOUT; with "
+        f"SPMD_CHECK_COLLECTIVES=1 on every client, the error names what each runs): {type(error).__name__}: {error}")
