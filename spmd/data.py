@@ -27,7 +27,7 @@ import torch
 from spmd.dtensor import DTensor, make
 from spmd.errors import IndivisibleError, LayoutError
 from spmd.layout import Layout
-from spmd.mesh import Mesh
+from spmd.mesh import Mesh, axis_dims
 
 TensorSpec = collections.namedtuple("TensorSpec", ["shape", "dtype", "layout"])
 TensorSpec.__doc__ = "The global shape, dtype and layout of one tensor of the batches a DTensorDataset yields."
@@ -132,9 +132,11 @@ class DTensorDataset:
         A layout has one more axis than an example (axis 0 is the batch); with `dataset_already_batched` it has the
         element's rank.
       global_batch_size: rows per global batch; the remainder of the dataset is dropped.
-      batch_dim: the mesh dimension the batch is split over; every layout's axis 0 must then be `batch_dim`.
-      dataset_already_batched: the elements are batches, each of `global_batch_size // mesh.dim_size(batch_dim)`
-        rows (one replica's batch, as in TF; consecutive ones make a global batch) or of `global_batch_size` rows.
+      batch_dim: the mesh dimension the batch is split over (or a tuple of several, major first, as a layout
+        names an axis split over several); every layout's axis 0 must then be sharded over exactly `batch_dim`.
+      dataset_already_batched: the elements are batches, each of `global_batch_size // replicas` rows (`replicas`:
+        the size of `batch_dim`; one replica's batch, as in TF; consecutive ones make a global batch) or of
+        `global_batch_size` rows.
       prefetch: how many batches a background thread prepares ahead (None or 0: none).
 
     Each client reads only the rows its local devices hold; replicas of a shard share one read. Iterating again
@@ -146,7 +148,7 @@ class DTensorDataset:
     """
 
     def __init__(self, dataset: Any, *, mesh: Mesh, layouts: Any, global_batch_size: int | None,
-                 batch_dim: str | None = None, dataset_already_batched: bool = False, prefetch: int | None = None,
+                 batch_dim: str | tuple[str, ...] | None = None, dataset_already_batched: bool = False, prefetch: int | None = None,
                  _elements_per_batch: int | None = None):
         if not isinstance(mesh, Mesh):
             raise TypeError(f"mesh must be a spmd.Mesh, got {type(mesh).__name__}")
@@ -156,7 +158,9 @@ class DTensorDataset:
                             f"DataLoader, got {type(dataset).__name__}")
         if prefetch is not None and (not isinstance(prefetch, int) or prefetch < 0):
             raise ValueError(f"prefetch must be None or a non-negative number of batches, got {prefetch!r}")
-        if batch_dim is not None and batch_dim not in mesh:
+        if isinstance(batch_dim, list):
+            batch_dim = tuple(batch_dim)
+        if batch_dim is not None and not all(d in mesh for d in axis_dims(batch_dim)):
             raise LayoutError(f"batch_dim {batch_dim!r} is not a dimension of the mesh (dimensions "
                               f"{mesh.dim_names}): {mesh!r}")
         if _elements_per_batch is None:
@@ -167,6 +171,7 @@ class DTensorDataset:
         self._batched = dataset_already_batched  # None (create_dtensor_iterable): decided by the first element
         self._prefetch = prefetch or 0
         self._map_style = _is_map_style(dataset)
+        self._started = None  # an iteration of `dataset` begun by `_peek`, for the first epoch
         if isinstance(dataset, torch.utils.data.DataLoader) and self._batched:
             _check_loader_drops_last(dataset)
 
@@ -194,7 +199,7 @@ class DTensorDataset:
             global_batch_size = _elements_per_batch * self._rows
         _check_batch_size(global_batch_size)
         self._global_batch_size = G = global_batch_size
-        replicas = mesh.dim_size(batch_dim) if batch_dim is not None else 1
+        replicas = mesh.shard_count(batch_dim)
         if G % replicas:
             raise ValueError(f"global_batch_size {G} is not divisible by the {replicas} shards of batch_dim "
                              f"{batch_dim!r} of mesh {mesh.dim_names} {mesh.shape()}; use a multiple of "
@@ -203,7 +208,7 @@ class DTensorDataset:
             raise ValueError(
                 f"per_replica_batch_size does not matched expected size based on the mesh, got {self._rows} but "
                 f"expected {G // replicas}. With dataset_already_batched=True each element must be one replica's "
-                f"batch of global_batch_size // mesh.dim_size(batch_dim) = {G} // {replicas} = {G // replicas} "
+                f"batch of global_batch_size // replicas of batch_dim = {G} // {replicas} = {G // replicas} "
                 f"rows (or a whole global batch of {G} rows); batch the dataset with that size and "
                 f"drop_remainder/drop_last=True")
         if G % self._rows:
@@ -224,6 +229,8 @@ class DTensorDataset:
         self._plan = self._make_plan()
         # a controller mesh (spmd.controller): the workers read the rows and make the batches
         self._workers = None if mesh.remote is None else mesh.remote.dataset_on_workers(self)
+        if self._workers is not None:  # (they iterate their own copy of the dataset)
+            self._started = None
 
     # -- setup -----------------------------------------------------------------------------------------------------
     def _peek(self):
@@ -238,8 +245,8 @@ class DTensorDataset:
             first = next(it)
         except StopIteration:
             raise ValueError("DTensorDataset got an empty dataset: cannot infer the element shapes") from None
-        if it is source:  # a one-shot iterator: put the element back in front
-            self._dataset = itertools.chain([first], it)
+        # the first epoch goes on from this element: starting another would draw another shuffle (a DataLoader's)
+        self._started = itertools.chain([first], it)
         return first
 
     def _match_layouts(self, layouts, leaves) -> list[Layout]:
@@ -264,10 +271,11 @@ class DTensorDataset:
                 raise LayoutError(f"Expected layout with rank {expected} for element spec {_spec(t)}, got layout "
                                   f"{layout}. Check that the dataset is not batched before passing to "
                                   f"DTensorDataset{hint}. (element{path})")
-            if self._batch_dim is not None and layout.sharding_specs[0] != self._batch_dim:
+            if self._batch_dim is not None and axis_dims(layout.axes[0]) != axis_dims(self._batch_dim):
                 raise LayoutError(f"batch_dim {self._batch_dim} was specified but at least one layout did not "
                                   f"contain it: {layout} (layouts{path} has sharding specs "
-                                  f"{layout.sharding_specs}; its axis 0 must be {self._batch_dim!r})")
+                                  f"{layout.sharding_specs}; its axis 0 must be sharded over {self._batch_dim!r}, "
+                                  "a tuple for an axis split over several mesh dims)")
         return flat
 
     def _make_plan(self):
@@ -323,7 +331,8 @@ class DTensorDataset:
         try:
             n = len(self._dataset)
         except TypeError:
-            raise TypeError(f"the dataset of type {type(self._dataset).__name__} has no length") from None
+            kind = "a one-shot iterator" if isinstance(self._dataset, Iterator) else type(self._dataset).__name__
+            raise TypeError(f"DTensorDataset: the dataset ({kind}) has no length") from None
         return n // self._elements_per_batch
 
     def __iter__(self) -> Iterator:
@@ -348,7 +357,7 @@ class DTensorDataset:
                 yield self._assemble(dict(zip(needed, elements)), k)
         else:
             wanted = set(needed)
-            it = iter(self._dataset)
+            it, self._started = self._started or iter(self._dataset), None
             k = 0
             while True:
                 elements = {}

@@ -489,3 +489,15 @@ def test_bitwise_operators_with_a_plain_tensor_raise_spmds_error_not_pythons():
         assert spmd.to_global(p | d).all()
     i = spmd.copy_to_mesh(torch.arange(4), spmd.Layout(["x"], mesh))
     assert spmd.to_global(i << 1).tolist() == [0, 2, 4, 6] and spmd.to_global(1 << i).tolist() == [1, 2, 4, 8]
+
+
+def test_a_dtensor_copied_into_a_plain_tensor_says_to_gather_it():
+    """A plain module loading a distributed module's state_dict: the plain tensor is the destination, so
+    `copy_to_mesh` (the advice for a plain operand) would not help."""
+    mesh = spmd.create_mesh([("x", 2)])
+    model = spmd.distribute_module(torch.nn.Linear(8, 4), mesh, {"weight": ["x", spmd.UNSHARDED]})
+    plain = torch.nn.Linear(8, 4)
+    with pytest.raises(RuntimeError, match=r"spmd.to_global\(v\) for k, v in state.items\(\)"):
+        plain.load_state_dict(model.state_dict())
+    plain.load_state_dict({k: spmd.to_global(v) for k, v in model.state_dict().items()})
+    assert torch.equal(plain.weight, spmd.to_global(model.weight))

@@ -179,8 +179,35 @@ def test_iterables_and_epochs(source):
 
 def test_iterable_without_length():
     ds = DTensorDataset(Stream(8), mesh=MESH, layouts=Layout(["batch"], MESH), global_batch_size=4)
-    with pytest.raises(TypeError, match="no length"):
+    with pytest.raises(TypeError, match="the dataset \\(Stream\\) has no length"):
         len(ds)
+    ds = DTensorDataset((i for i in range(8)), mesh=MESH, layouts=Layout(["batch"], MESH), global_batch_size=4)
+    with pytest.raises(TypeError, match="the dataset \\(a one-shot iterator\\) has no length"):
+        len(ds)
+
+
+def test_a_shuffled_loader_gives_the_epochs_plain_iteration_gives():
+    """Reading the first element (to learn the shapes) must not start an epoch of its own: a DataLoader draws
+    a new shuffle order per iteration."""
+    def loader():
+        torch.manual_seed(0)
+        return torch.utils.data.DataLoader(torch.arange(32.), batch_size=8, shuffle=True, drop_last=True)
+    plain = loader()
+    want = [[b.tolist() for b in plain] for _ in range(2)]
+    ds = DTensorDataset(loader(), mesh=MESH, layouts=Layout(["batch"], MESH), global_batch_size=8,
+                        batch_dim="batch", dataset_already_batched=True)
+    assert [[spmd.to_global(b).tolist() for b in ds] for _ in range(2)] == want
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_batch_axis_split_over_two_mesh_dims(batched):
+    rows = torch.arange(64.).reshape(32, 2)
+    data = list(rows.split(2)) if batched else rows  # per-replica batches of 16 // 8 rows, or rows
+    ds = DTensorDataset(data, mesh=MESH, layouts=Layout([("batch", "m"), UNSHARDED], MESH), global_batch_size=16,
+                        batch_dim=("batch", "m"), dataset_already_batched=batched)
+    batches = list(ds)
+    assert [spmd.to_global(b).tolist() for b in batches] == [rows[:16].tolist(), rows[16:].tolist()]
+    assert components(batches[0]) == [rows[2 * i:2 * i + 2].tolist() for i in range(8)]
 
 
 @pytest.mark.parametrize("batch_size,G", [(16, 16), (4, 16)], ids=["global batches", "per-replica batches"])

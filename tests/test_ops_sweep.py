@@ -214,6 +214,8 @@ CASES = {
     "scatter_add": (lambda x, i, src: x.scatter_add(0, i, src), [rand(4, 4), _ids((4, 4), 4), rand(4, 4, seed=1)]),
     "add_inplace": (lambda a, b: a.clone().add_(b), [rand(4, 4), rand(4, 4, seed=1)]),
     "mul_inplace_bcast": (lambda a, b: a.clone().mul_(b), [rand(4, 2, 4), rand(4, seed=1)]),
+    "floor_divide_inplace": (lambda a, b: a.clone().floor_divide_(b), [_ids((4, 4), 50) - 25, _ids((4, 4), 5, 1) + 1]),
+    "rshift_inplace": (lambda a, b: a.clone().__irshift__(b), [_ids((4, 4), 64), _ids((4, 4), 3)]),
     "masked_fill_inplace": (lambda x, m: x.clone().masked_fill_(m > 0, 0.5), [rand(4, 4), rand(4, 4, seed=3)]),
     "unflatten": (lambda x: x.unflatten(-1, (2, 2)), [rand(4, 4)]),
     "expand_minus1": (lambda x: x.expand(-1, 4), [rand(4, 1)]),

@@ -76,3 +76,27 @@ def test_valid_dims_still_work(mesh22):
     for op in (lambda t: t.sum(-2), lambda t: t.softmax(-1), lambda t: t.unsqueeze(2), lambda t: t.sort(1).values,
                lambda t: torch.cat([t, t], dim=-1)):
         torch.testing.assert_close(spmd.to_global(op(t)), op(value))
+
+
+# (op, input) that torch's CPU kernels refuse for the input's dtype (their meta kernels do not check dtypes)
+BAD_DTYPES = {
+    "softmax(0, dtype=uint8)": (lambda t: torch.softmax(t, 0, dtype=torch.uint8), torch.randn(4, 2)),
+    "log_softmax of int64": (lambda t: torch.log_softmax(t, 0), torch.arange(8).reshape(4, 2)),
+    "trace of bool": (lambda t: t.trace(), torch.eye(4, dtype=torch.bool)),
+}
+
+
+@pytest.mark.parametrize("layout", [[U, U], ["x", U], [("x", "y"), U]], ids=str)
+@pytest.mark.parametrize("name", list(BAD_DTYPES))
+def test_dtypes_torchs_kernels_refuse_are_refused_alike(mesh22, name, layout):
+    fn, value = BAD_DTYPES[name]
+    kind, message = _torch_error(fn, value)
+    with pytest.raises(kind) as info:
+        fn(spmd.copy_to_mesh(value, Layout(layout, mesh22)))
+    assert str(info.value) == message
+
+
+def test_softmax_over_an_empty_sharded_axis_is_empty(mesh22):
+    for shape, layout, dim in (((0, 4), ["x", U], 0), ((4, 0), [U, "y"], 1)):
+        t = spmd.copy_to_mesh(torch.zeros(shape), Layout(layout, mesh22))
+        assert t.softmax(dim).shape == shape and t.log_softmax(dim).shape == shape

@@ -90,7 +90,8 @@ def _sig(a, tensors, blind=False):
 def mixed_tensor_error(plain: torch.Tensor) -> MixedTensorError:
     return MixedTensorError(
         f"a plain torch.Tensor of shape {list(plain.shape)} was mixed with DTensors; only Python scalars, 0-d "
-        f"tensors and integer tensors of fewer than {SMALL_INTEGER_TENSOR} elements are broadcast automatically. "
+        f"tensors and int32/int64 tensors of fewer than {SMALL_INTEGER_TENSOR} elements are broadcast "
+        "automatically. "
         "Distribute it first: spmd.copy_to_mesh(tensor, layout); where torch made it inside an op's own "
         "implementation, run the op under spmd.implicit_replication()")
 
@@ -145,8 +146,13 @@ def torch_dispatch(cls, func, types, args=(), kwargs=None):
         if kwargs:
             key.append(tuple([(k, _sig(v, tensors, blind)) for k, v in kwargs.items()]))
     except MixedTensorError as e:
-        if func is torch.ops.aten.copy_.default and isinstance(args[0], DTensor):
-            return _copy_from_plain(func, args, kwargs)
+        if func is torch.ops.aten.copy_.default:
+            if isinstance(args[0], DTensor):
+                return _copy_from_plain(func, args, kwargs)
+            raise MixedTensorError(
+                f"{func}: a DTensor cannot be copied into a plain tensor (of shape {list(args[0].shape)}); gather it "
+                "first: plain.copy_(spmd.to_global(dtensor)). (A plain module loads a distributed one's state with "
+                "module.load_state_dict({k: spmd.to_global(v) for k, v in state.items()}).)") from None
         if not (_replicates_plain() or _small_integers(args, kwargs)):
             raise MixedTensorError(f"{func}: {e}") from None
         if _writes_plain(func, args):

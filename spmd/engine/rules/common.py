@@ -50,10 +50,23 @@ def _positional_slots(args, kwargs):
     return tuple(i for i, a in enumerate(args) if isinstance(a, DTensor))
 
 
-def broadcast_view(x: torch.Tensor, pad: int | None) -> torch.Tensor:
+def raise_if_kernel_refuses(func, dtype: torch.dtype, rank: int, *args) -> None:
+    """Raises torch's own error where its kernel of `func` does not take `dtype` (meta kernels, which check the
+    arguments first, do not check dtypes), by running it on one element of that dtype."""
+    func(torch.zeros((1,) * rank, dtype=dtype), *args)
+
+
+# the `pad` of a replicated 0-d operand among higher-rank ones: its one value, 0-d, so that torch promotes dtypes
+# as for a 0-d tensor (`bf16 * f32_0d` is bf16), not as for the stack of every device's copy
+SCALAR = "scalar"
+
+
+def broadcast_view(x: torch.Tensor, pad: int | str | None) -> torch.Tensor:
     """Stacked components `(L, *local)` viewed as `(L, 1, ..., 1, *local)` with `pad` ones: right-aligned to a
-    higher rank. (Shaped from the components themselves, so that a decision holds on finer blocks too: see
-    engine/multi_axis.py.)"""
+    higher rank (or, for SCALAR, the one value). (Shaped from the components themselves, so that a decision holds
+    on finer blocks too: see engine/multi_axis.py.)"""
+    if pad is SCALAR:
+        return x[0]
     return x if pad is None else x.view(_padded_shape(x, pad))
 
 
@@ -75,8 +88,8 @@ def generic_kernel(func, arg_overrides: dict | None = None, kwarg_overrides: dic
     def kernel(locals_, args, kwargs):
         if pads is not None:
             if not views:
-                views.append([None if p is None else _padded_shape(x, p) for x, p in zip(locals_, pads)])
-            locals_ = [x if v is None else x.view(v) for x, v in zip(locals_, views[0])]
+                views.append([p if p is None or p is SCALAR else _padded_shape(x, p) for x, p in zip(locals_, pads)])
+            locals_ = [x if v is None else x[0] if v is SCALAR else x.view(v) for x, v in zip(locals_, views[0])]
         if not slots:
             slots.append(_positional_slots(args, kwargs))
         positions = slots[0]

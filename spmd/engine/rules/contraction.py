@@ -197,13 +197,15 @@ def mv_rule(call: OpCall) -> Decision:
 
 @register(aten.dot.default, blockwise=True)
 def dot_rule(call: OpCall) -> Decision:
-    return _contraction(call, "k,k->", lambda u, v: (u * v).sum(-1))
+    return _contraction(call, "k,k->", lambda u, v: (u * v).sum(-1, dtype=u.dtype))  # (an int32 sum stays int32)
 
 
 @register(aten.vdot.default, blockwise=True)
 def vdot_rule(call: OpCall) -> Decision:
     required, out_axes, reduced = einsum_axes("k,k->", [s.axes for s in call.specs])
-    return Decision(tuple(required), (out_axes,), lambda l, a, k: (l[0].conj() * l[1]).sum(-1),
+    # conj_physical: inside a dispatch the lazy conjugate bit of `conj()` would be ignored by the product
+    return Decision(tuple(required), (out_axes,),
+                    lambda l, a, k: (l[0].conj_physical() * l[1]).sum(-1, dtype=l[0].dtype),
                     reduce=(reduced,) if reduced else ())
 
 
@@ -296,6 +298,9 @@ def addmm_rule(call: OpCall) -> Decision:
     def kernel(locals_, args, kwargs):
         if one_bias and _one_weight(*locals_[1:]):
             return _addmm_once(*locals_, kwargs.get("beta", 1), kwargs.get("alpha", 1))
+        if call.func is aten.addmm.default and not traced(locals_[1]):  # each device's addmm, the bias added
+            return torch.baddbmm(locals_[0].view(bias_view), *locals_[1:],  # inside the product as torch's
+                                 beta=kwargs.get("beta", 1), alpha=kwargs.get("alpha", 1))
         return add_bias(product(locals_, args, kwargs), locals_, kwargs)
     return Decision((bias_axes, *required), (out_axes,), kernel, fixed=fixed)
 

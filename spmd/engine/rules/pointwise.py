@@ -14,7 +14,7 @@ import torch
 
 from spmd.engine.registry import register, register_family
 from spmd.engine.decision import Decision, OpCall, TensorSpec, is_inplace, unsupported
-from spmd.engine.rules.common import generic_kernel
+from spmd.engine.rules.common import SCALAR, generic_kernel
 from spmd.layout import axis_dims
 
 aten = torch.ops.aten
@@ -48,16 +48,16 @@ def merge_axes(specs: list[TensorSpec], out_shape: tuple[int, ...]) -> tuple:
     return tuple(out)
 
 
-def aligned_inputs(specs: list[TensorSpec], out_axes: tuple, out_shape: tuple):
+def aligned_inputs(specs: list[TensorSpec], out_axes: tuple, out_shape: tuple, scalars: tuple = ()):
     """Per operand: the axes it must have for `out_axes`, and how many axes of 1 right-align its rank (None for
-    none: see `broadcast_view`)."""
+    none; SCALAR for the 0-d operands of indices `scalars`, replicated ones: see `broadcast_view`)."""
     r = len(out_shape)
     inputs, pads = [], []
-    for s in specs:
+    for i, s in enumerate(specs):
         axes = tuple(None if (s.shape[j] == 1 and out_shape[j + r - s.rank] != 1) else out_axes[j + r - s.rank]
                      for j in range(s.rank))
         inputs.append(axes)
-        pads.append(None if s.rank == r else r - s.rank)
+        pads.append(SCALAR if i in scalars else None if s.rank == r else r - s.rank)
     return tuple(inputs), tuple(pads)
 
 
@@ -82,10 +82,11 @@ def is_pointwise(func) -> bool:
     if _tagged(func):
         return True
     name = func._schema.name.split("::")[-1]
-    if name.endswith("_"):
-        packet = getattr(torch.ops.aten, name[:-1], None)
-        functional = getattr(packet, func._overloadname, None) if packet is not None else None
-        return functional is not None and _tagged(functional)
+    if name.endswith("_") or name.startswith("__i"):  # add_.Tensor, floor_divide_.Tensor, __irshift__.Scalar
+        packet = getattr(torch.ops.aten, "__" + name[3:] if name.startswith("__i") else name[:-1], None)
+        # the functional overload of the same name, or `default` for an in-place `Tensor` one (floor_divide)
+        names = (func._overloadname, "default") if func._overloadname == "Tensor" else (func._overloadname,)
+        return packet is not None and any(_tagged(getattr(packet, n)) for n in names if hasattr(packet, n))
     if name.endswith("_backward") and len(func._schema.returns) == 1:
         forward = getattr(torch.ops.aten, name[:-len("_backward")], None)
         return forward is not None and any(_tagged(getattr(forward, o)) for o in forward.overloads())
@@ -102,12 +103,14 @@ def pointwise_rule(call: OpCall) -> Decision:
     out_axes = specs[0].axes if inplace else merge_axes(specs, out_shape)
     if inplace and specs[0].shape != out_shape:
         raise unsupported(call, "in-place op whose result would broadcast self")
-    inputs, pads = aligned_inputs(specs, out_axes, out_shape)
-    kernel = generic_kernel(call.func, pads=pads if any(p is not None for p in pads) else None)
     n_out = len(call.func._schema.returns)  # frexp: mantissa and exponent
+    keeps, dims = _linear_in_pending(call, specs, out_axes) if n_out == 1 else ((), ())
+    # a 0-d operand among higher-rank ones holds one value on every device (once its pending sum is resolved)
+    scalars = tuple(i for i, s in enumerate(specs) if not s.shape and out_shape and i not in keeps)
+    inputs, pads = aligned_inputs(specs, out_axes, out_shape, scalars)
+    kernel = generic_kernel(call.func, pads=pads if any(p is not None for p in pads) else None)
     if n_out > 1:
         return Decision(inputs, (out_axes,) * n_out, kernel, single=False)
-    keeps, dims = _linear_in_pending(call, specs, out_axes)
     return Decision(inputs, (out_axes,), kernel, inplace=inplace, keeps=keeps, reduce=(dims,) if keeps else ())
 
 
@@ -126,6 +129,8 @@ def _linear_in_pending(call: OpCall, specs: list[TensorSpec], out_axes: tuple):
     if kind is None or not dims or set(dims) & {d for m in out_axes for d in axis_dims(m)}:
         return (), ()
     pending = [s.pending for s in specs]
+    if any(p and not s.shape and s.dtype != specs[0].dtype for p, s in zip(pending, specs)):
+        return (), ()  # a pending 0-d operand of another dtype: resolved, so that torch promotes it as one value
     if kind == "both":
         linear = len(specs) == 2 and all(isinstance(a, TensorSpec) for a in call.args[:2]) and \
             pending == [dims, dims]

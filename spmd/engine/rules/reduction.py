@@ -17,7 +17,8 @@ import torch
 from spmd.collectives import Collective, Kind
 from spmd.engine.registry import register
 from spmd.engine.decision import Decision, OpCall
-from spmd.engine.rules.common import broadcast_view, generic_kernel, norm_dims, shard_starts, zero_d_as_one_element
+from spmd.engine.rules.common import (broadcast_view, generic_kernel, norm_dims, raise_if_kernel_refuses, shard_starts,
+                                      zero_d_as_one_element)
 from spmd.engine.rules.pointwise import aligned_inputs, broadcast_shape, merge_axes
 
 aten = torch.ops.aten
@@ -208,6 +209,8 @@ def trace_rule(call: OpCall) -> Decision:
     """The sum of the diagonal: with the rows sharded, each device sums the diagonal entries of its block of rows
     (their columns whole on it), one pending sum over the rows' mesh dim; a sharded column axis is gathered."""
     spec = call.specs[0]
+    if spec.dtype == torch.bool:
+        raise_if_kernel_refuses(call.func, spec.dtype, 2)
     rows, (n, c) = spec.axes[0], spec.shape
     if rows is None or c == 0:
         return Decision(((None, None),), ((),), lambda l, a, k: l[0].diagonal(dim1=1, dim2=2).sum(-1))

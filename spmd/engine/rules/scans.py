@@ -22,9 +22,9 @@ aten = torch.ops.aten
 
 # op -> (how the totals of the blocks before a device combine, how they complete its local scan)
 _PREFIX = {
-    aten.cumsum.default: (lambda t, before, d: torch.where(before, t, 0).sum(d, keepdim=True),
+    aten.cumsum.default: (lambda t, before, d: torch.where(before, t, 0).sum(d, keepdim=True, dtype=t.dtype),
                           lambda local, prefix: local + prefix),
-    aten.cumprod.default: (lambda t, before, d: torch.where(before, t, 1).prod(d, keepdim=True),
+    aten.cumprod.default: (lambda t, before, d: torch.where(before, t, 1).prod(d, keepdim=True, dtype=t.dtype),
                            lambda local, prefix: local * prefix),
     aten.logcumsumexp.default: (lambda t, before, d: torch.where(before, t, -torch.inf).logsumexp(d, keepdim=True),
                                 lambda local, prefix: torch.logaddexp(local, prefix)),

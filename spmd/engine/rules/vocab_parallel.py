@@ -13,7 +13,7 @@ import torch
 from spmd.collectives import Collective, Kind
 from spmd.engine.registry import register
 from spmd.engine.decision import Decision, OpCall
-from spmd.engine.rules.common import shard_starts
+from spmd.engine.rules.common import raise_if_kernel_refuses, shard_starts
 from spmd.engine.rules.nn import nll_loss_backward_rule, nll_loss_rule
 from spmd.engine.rules.reduction import scan_rule, softmax_backward_rule
 
@@ -30,9 +30,12 @@ def _class_dim(call: OpCall, dim) -> tuple[int, str | None]:
 @register(aten._log_softmax.default, aten._softmax.default, blockwise=True)
 def softmax_rule(call: OpCall) -> Decision:
     d, m = _class_dim(call, call.args[1])
-    if m is None:
+    spec = call.specs[0]
+    if m is None or spec.shape[d] == 0:
         return scan_rule(call)
-    axes, log = call.specs[0].axes, call.func is aten._log_softmax.default
+    if not spec.dtype.is_floating_point:  # (an integer dtype= of F.softmax casts the input first)
+        raise_if_kernel_refuses(call.func, spec.dtype, spec.rank, 0, False)
+    axes, log = spec.axes, call.func is aten._log_softmax.default
 
     def kernel(l, a, k, run):
         x = l[0].float() if a[2] else l[0]  # half_to_float
