@@ -148,8 +148,8 @@ class DTensorDataset:
     """
 
     def __init__(self, dataset: Any, *, mesh: Mesh, layouts: Any, global_batch_size: int | None,
-                 batch_dim: str | tuple[str, ...] | None = None, dataset_already_batched: bool = False, prefetch: int | None = None,
-                 _elements_per_batch: int | None = None):
+                 batch_dim: str | tuple[str, ...] | None = None, dataset_already_batched: bool = False,
+                 prefetch: int | None = None, _elements_per_batch: int | None = None):
         if not isinstance(mesh, Mesh):
             raise TypeError(f"mesh must be a spmd.Mesh, got {type(mesh).__name__}")
         if isinstance(dataset, (dict, str, bytes)) or not (hasattr(dataset, "__iter__")

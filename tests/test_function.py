@@ -7,23 +7,16 @@ expanding every op, forward and backward) without inductor's code generation, wh
 from __future__ import annotations
 
 import copy
-import os
-import subprocess
-import sys
 import warnings
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from torch._dynamo.backends.common import aot_autograd
-from torch._dynamo.variables import optimizer
 from torch._functorch.partitioners import min_cut_rematerialization_partition
-from torch._functorch._aot_autograd.autograd_cache import AOTAutogradCachePickler
 
 import spmd
-from spmd import UNSHARDED, Layout, function_mode, tracing
-from spmd.collectives.local import shared
+from spmd import UNSHARDED, Layout
 from spmd.engine import dispatch
 from sweep import all_layouts, components, gather
 
@@ -76,31 +69,6 @@ def test_retraces_once_per_layout(mesh22):
     assert f.experimental_get_tracing_count() == 3
 
 
-def test_the_guards_on_a_dtensor_argument_leave_out_what_its_own_guards_imply(mesh22, monkeypatch):
-    """No guard on a DTensor argument's inner tensor or its name (each would cost every call); what they would
-    check still retraces: the inner tensor's strides (a transposed value), its size (a shared replicated stack of
-    one copy, or a stack of one per device), its dtype."""
-    made, kept, needed = [], [], function_mode._needed_guards
-
-    def recorded(guards):
-        keep = needed(guards)
-        made.extend(g.name for g in guards)
-        kept.extend(g.name for g, k in zip(guards, keep) if k)
-        return keep
-    monkeypatch.setattr(function_mode, "_needed_guards", recorded)
-    f = spmd.function(lambda x: x * 2, backend="aot_eager")
-    value, replicated = torch.randn(4, 4), Layout([U, U], mesh22)
-    calls = [spmd.copy_to_mesh(value, replicated), spmd.copy_to_mesh(value, replicated),
-             spmd.copy_to_mesh(value.t().contiguous(), replicated).t(), spmd.pack([value] * 4, replicated),
-             spmd.copy_to_mesh(value.double(), replicated)]
-    assert shared(calls[0]._stack) and not shared(calls[3]._stack)
-    for i, x in enumerate(calls):
-        torch.testing.assert_close(spmd.unpack(f(x))[0], 2 * spmd.unpack(x)[0])
-        assert f.experimental_get_tracing_count() == max(i, 1)
-    assert "args[0]._inner" in made and "args[0]" in kept  # (the traced frame is `Function._body(*args)`)
-    assert not any(name.startswith("args[0].") for name in kept)
-
-
 def test_explain_megatron_mlp_forward_has_one_all_reduce(mesh22):
     x = spmd.copy_to_mesh(torch.randn(8, 16), Layout(["x", U], mesh22))
     w1 = spmd.copy_to_mesh(torch.randn(16, 32), Layout([U, "y"], mesh22))
@@ -113,21 +81,6 @@ def test_explain_megatron_mlp_forward_has_one_all_reduce(mesh22):
                                                   ("mm", (("x", None),)), ("(result)", (("x", None),))]
     assert e.collectives[0].op_index == 3
     assert "all_reduce(y)" in str(e)
-
-
-def test_pending_sum_becomes_a_reduce_scatter_inside_a_trace(mesh22):
-    """Sequence parallelism's pattern: a row-parallel product relayouted to a sharded layout is one reduce-scatter
-    in the compiled graph too (not an all-reduce and a slice)."""
-    x = spmd.copy_to_mesh(torch.randn(8, 16), Layout([U, "y"], mesh22))
-    w = spmd.copy_to_mesh(torch.randn(16, 12), Layout(["y", U], mesh22))
-    fn = spmd.function(lambda x, w: spmd.relayout(x @ w, Layout(["y", U], mesh22)), backend="aot_eager")
-    e = fn.explain(x, w)
-    assert [(c.kind, c.mesh_dims, c.op_index) for c in e.collectives] == [("reduce_scatter", ("y",), 1)]
-    out, eager = fn(x, w), spmd.relayout(x @ w, Layout(["y", U], mesh22))
-    assert spmd.fetch_layout(out) == Layout(["y", U], mesh22)
-    torch.testing.assert_close(gather(out), spmd.to_global(x) @ spmd.to_global(w))
-    for got, want in zip(components(out), components(eager), strict=True):
-        torch.testing.assert_close(got, want)
 
 
 def test_explain_data_parallel_backward_reduces_each_gradient_over_batch():
@@ -249,112 +202,6 @@ def test_default_mesh_scope_inside_and_around_a_function(mesh22):
     with spmd.default_mesh(mesh22):
         doubled = spmd.function(made_in_scope, backend="aot_eager")(a)
     assert gather(doubled).tolist() == (torch.arange(8.).reshape(4, 2) * 2).tolist()
-
-
-_BARE_COMPILE = """
-import sys
-import torch
-if sys.argv[1] == "dynamo first":
-    import torch._dynamo
-import spmd
-mesh = spmd.create_mesh([("x", 2)], devices=["CPU:0", "CPU:1"])
-layout = spmd.Layout(["x", spmd.UNSHARDED], mesh)
-made = torch.compile(lambda: spmd.ones((4, 3), layout=layout) * 2, fullgraph=True, backend="aot_eager")()
-assert spmd.fetch_layout(made) == layout and spmd.to_global(made).tolist() == [[2.0] * 3] * 4
-"""
-
-
-@pytest.mark.parametrize("order", ["spmd first", "dynamo first"])
-def test_bare_torch_compile_makes_a_dtensor_before_meeting_one(order):
-    """A function whose first DTensor is one it makes with `layout=` compiles under a bare torch.compile, whether
-    torch.compile loads Dynamo after spmd's import or Dynamo was loaded before it (a fresh interpreter each)."""
-    result = subprocess.run([sys.executable, "-c", _BARE_COMPILE, order], capture_output=True, text=True,
-                            timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-
-
-_CACHED_STEP = """
-import sys
-import torch
-import spmd
-from spmd import Layout, UNSHARDED
-mesh = spmd.create_mesh([("x", 2)])
-dtype = getattr(torch, sys.argv[1])
-w = spmd.DVariable(torch.ones(4, 4, dtype=dtype), layout=Layout([UNSHARDED, UNSHARDED], mesh))
-x = spmd.copy_to_mesh(torch.ones(8, 4, dtype=dtype), Layout(["x", UNSHARDED], mesh))
-
-def step(x):
-    loss = (x @ w).relu().sum()
-    loss.backward()
-    return loss
-
-assert spmd.function(step, fullgraph=False)(x).dtype == dtype
-"""
-
-
-def test_compiled_graphs_on_disk_are_not_reused_for_other_dtypes(tmp_path):
-    """torch.compile's caches (AOTAutograd's, inductor's) key a graph on each DTensor input's dtype, shapes and
-    layout: a float32 run and then a bfloat16 run of the same step, sharing one cache folder, each get their own."""
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path))
-    for dtype in ("float32", "bfloat16"):
-        result = subprocess.run([sys.executable, "-c", _CACHED_STEP, dtype], capture_output=True, text=True,
-                                timeout=300, env=env)
-        assert result.returncode == 0, (dtype, result.stderr[-3000:])
-
-
-def test_the_compile_cache_key_of_a_dtensor_names_what_a_graph_was_traced_for(mesh22):
-    def key(t):
-        return t._stable_hash_for_caching()
-
-    x = spmd.copy_to_mesh(torch.ones(4, 4), Layout(["x", UNSHARDED], mesh22))
-    others = [x.to(torch.bfloat16), spmd.copy_to_mesh(torch.ones(8, 4), Layout(["x", UNSHARDED], mesh22)),
-              spmd.relayout(x, Layout(["y", UNSHARDED], mesh22)), x.detach().requires_grad_()]
-    assert len({key(t) for t in [x] + others}) == 5
-    assert key(x) == key(spmd.copy_to_mesh(torch.zeros(4, 4), Layout(["x", UNSHARDED], mesh22)))
-
-
-def test_the_autograd_cache_keys_a_dtensor_input_on_what_the_graph_was_traced_for(mesh22):
-    """AOTAutograd's on-disk cache pickles a graph's inputs into its key: a DTensor is keyed on its layout, shapes
-    and dtype (spmd teaches torch 2.11's pickler so), never refused (which would bypass the cache)."""
-    def key(t):
-        return AOTAutogradCachePickler(torch.fx.GraphModule({}, torch.fx.Graph())).dumps(t)
-
-    x = spmd.copy_to_mesh(torch.ones(4, 4), Layout(["x", UNSHARDED], mesh22))
-    assert key(x) == key(spmd.copy_to_mesh(torch.zeros(4, 4), Layout(["x", UNSHARDED], mesh22)))
-    assert key(x) != key(spmd.relayout(x, Layout(["y", UNSHARDED], mesh22))) != key(x.to(torch.bfloat16))
-
-
-def test_the_cuda_graph_check_of_an_optimizer_step_asks_a_dtensors_components(mesh22, monkeypatch):
-    """Under CUDA graphs Dynamo asks whether each gradient lives in CUDA-graph memory; a DTensor's answer is its
-    stacked components' (asking the DTensor itself reads a storage it does not have: tests/test_cuda.py runs it)."""
-    asked = []
-    monkeypatch.setattr(optimizer, "_is_static_for_cudagraphs", lambda t: asked.append(t) or True)
-    tracing._check_subclass_grads_by_their_inner_tensors()
-    grad = spmd.copy_to_mesh(torch.ones(4, 4), Layout(["x", UNSHARDED], mesh22))
-    assert optimizer._is_static_for_cudagraphs(grad) and asked == [grad._inner]
-    assert optimizer._is_static_for_cudagraphs(torch.ones(2)) and len(asked) == 2
-
-
-def test_flattening_a_shared_dtensor_for_a_graph_gives_its_one_copy(mesh22):
-    """A stack every device shares (stride 0) enters a graph as its one copy and comes back shared; a pending sum is
-    resolved as the tensor is flattened (guards flatten DTensor arguments at every call)."""
-    shared = spmd.copy_to_mesh(torch.arange(4.0), Layout.replicated(mesh22, 1))
-    assert shared._stack.stride(0) == 0
-    names, meta = shared.__tensor_flatten__()
-    one = shared._inner
-    assert names == ["_inner"] and meta == (shared._layout, (0, 1), 4)
-    assert one.shape == (1, 4) and not one._is_view() and one.data_ptr() == shared._stack.data_ptr()
-    back = type(shared).__tensor_unflatten__({"_inner": one}, meta, shared.shape, shared.stride())
-    assert back._stack.stride(0) == 0 and torch.equal(spmd.to_global(back), torch.arange(4.0))
-    own = spmd.copy_to_mesh(torch.ones(4, 4), Layout(["x", U], mesh22))
-    assert own.__tensor_flatten__() == (["_inner"], (own._layout, (8, 4, 1), None))
-    assert own._inner.shape == own._stack.shape and own._inner.data_ptr() == own._stack.data_ptr()
-    a = spmd.copy_to_mesh(torch.ones(4, 8), Layout([UNSHARDED, "x"], mesh22))
-    b = spmd.copy_to_mesh(torch.ones(8, 4), Layout(["x", UNSHARDED], mesh22))
-    pending = a @ b
-    assert pending._pending
-    pending.__tensor_flatten__()
-    assert not pending._pending and torch.equal(spmd.to_global(pending), torch.full((4, 4), 8.0))
 
 
 def test_a_data_parallel_step_computes_and_updates_replicated_parameters_once():
@@ -596,94 +443,6 @@ def test_a_cast_with_gradients_traces_before_any_eager_call(mesh22, monkeypatch)
     assert x.grad.dtype == torch.float64 and gather(x.grad).tolist() == [[3.0] * 4] * 4
 
 
-def test_torch_compile_directly_on_dtensors(mesh22):
-    a = spmd.copy_to_mesh(torch.randn(4, 4), Layout(["x", "y"], mesh22))
-    fn = torch.compile(lambda t: torch.tanh(t) @ t.T, fullgraph=True, backend="inductor")
-    out = fn(a)
-    assert spmd.fetch_layout(out) == spmd.fetch_layout(torch.tanh(a) @ a.T)
-    torch.testing.assert_close(gather(out), torch.tanh(gather(a)) @ gather(a).T)
-
-
-def test_relayout_constraint_moves_back_over_elementwise_ops(mesh22):
-    """`relayout(gelu(x @ w + b) * 2, sharded)`: the constraint moves back to the product, so its pending sum is one
-    reduce-scatter (eager: an all-reduce at the add, then a slice) and the elementwise ops compute on blocks.
-    Values, gradients and every component equal eager's."""
-    def make():
-        torch.manual_seed(0)
-        return [spmd.copy_to_mesh(torch.randn(*shape), Layout(axes, mesh22)).requires_grad_()
-                for shape, axes in (((8, 16), [U, "y"]), ((16, 12), ["y", U]), ((12,), [U]))]
-
-    def f(x, w, b):
-        return spmd.relayout(F.gelu(x @ w + b) * 2, Layout(["y", U], mesh22))
-
-    fn = spmd.function(f, backend="aot_eager")
-    e = fn.explain(*make())
-    assert [(c.kind, c.mesh_dims) for c in e.collectives] == [("reduce_scatter", ("y",))]
-    assert [(o.op, o.outputs) for o in e.ops] == [
-        ("mm", ((None, None),)), ("spmd.relayout", (("y", None),)), ("add.Tensor", (("y", None),)),
-        ("gelu", (("y", None),)), ("mul.Tensor", (("y", None),)), ("spmd.relayout", (("y", None),))]
-    results = []
-    for run in (f, fn):
-        inputs = make()
-        out = run(*inputs)
-        (out * out).sum().backward()
-        results.append([out] + [t.grad for t in inputs])
-    for got, want in zip(*results, strict=True):
-        assert spmd.fetch_layout(got) == spmd.fetch_layout(want)
-        for g, w in zip(components(got), components(want), strict=True):  # (float32 values, as Python floats)
-            scale = float(np.abs(np.asarray(w)).max())  # (fused kernels sum in another order: ulps of the largest)
-            torch.testing.assert_close(g, w, rtol=1.3e-6, atol=4 * torch.finfo(torch.float32).eps * scale)
-
-
-def test_relayout_constraint_stays_where_moving_it_would_move_data(mesh22):
-    """Moved back over `a + b`, a gather would run twice; over a product of replicated values that require grad,
-    each slice's backward would be an all-gather the constraint's own backward does not need."""
-    a, b = (spmd.copy_to_mesh(torch.randn(8, 6), Layout(["x", U], mesh22)) for _ in range(2))
-    e = spmd.function(lambda a, b: spmd.relayout(a + b, Layout([U, U], mesh22))).explain(a, b)
-    assert [(c.kind, c.mesh_dims) for c in e.collectives] == [("all_gather", ("x",))]
-    assert [o.op for o in e.ops] == ["add.Tensor", "spmd.relayout"]
-    p = spmd.copy_to_mesh(torch.randn(8, 6), Layout([U, U], mesh22)).requires_grad_()
-    q = spmd.copy_to_mesh(torch.randn(8, 6), Layout([U, U], mesh22))
-    e = spmd.function(lambda p, q: spmd.relayout(p * q, Layout(["x", U], mesh22))).explain(p, q, backward=True)
-    assert [o.op for o in e.ops if not o.backward][:2] == ["mul.Tensor", "spmd.relayout"]
-    assert not [c for c in e.collectives if c.backward]
-
-
-def test_forbid_refuses_a_collective_and_names_both_conflicting_constraints(mesh22):
-    x = spmd.copy_to_mesh(torch.randn(8, 16), Layout(["x", U], mesh22))
-    w = spmd.copy_to_mesh(torch.randn(16, 32), Layout([U, U], mesh22))
-
-    def conflict(x, w):
-        h = x @ w
-        a = spmd.relayout(h, Layout(["x", "y"], mesh22))  # line A: a slice, free
-        b = spmd.relayout(h, Layout([U, U], mesh22))  # line B: an all-gather over x
-        return a, b
-
-    first = conflict.__code__.co_firstlineno
-    with pytest.raises(spmd.TraceError) as info:
-        spmd.function(conflict, forbid="all_gather", backend="aot_eager")(x, w)
-    message = str(info.value)
-    assert "all_gather over mesh dim(s) ['x']" in message
-    assert f"line {first + 3}" in message and f"line {first + 2}" in message  # both constraints' lines
-    assert "['x', 'y']" in message and "['unsharded', 'unsharded']" in message
-    assert "While executing" not in message
-    a, b = spmd.function(conflict, forbid="all_to_all", backend="aot_eager")(x, w)  # allowed: it runs
-    torch.testing.assert_close(gather(b), spmd.to_global(x) @ spmd.to_global(w))
-
-
-def test_forbid_accepts_communication_free_layouts_and_checks_results(mesh22):
-    x = spmd.copy_to_mesh(torch.randn(8, 16), Layout(["x", U], mesh22))
-    w1 = spmd.copy_to_mesh(torch.randn(16, 32), Layout([U, "y"], mesh22))
-    w2 = spmd.copy_to_mesh(torch.randn(32, 16), Layout(["y", U], mesh22))
-    mlp = lambda x, w1, w2: torch.relu(x @ w1) @ w2  # noqa: E731  one all-reduce, at the result
-    out = spmd.function(mlp, forbid=("all_gather", "all_to_all"), backend="aot_eager")(x, w1, w2)
-    torch.testing.assert_close(gather(out), mlp(*(spmd.to_global(t) for t in (x, w1, w2))))
-    with pytest.raises(spmd.TraceError, match="all_reduce over mesh dim.* as the function returns its result"):
-        spmd.function(mlp, forbid="all", backend="aot_eager")(x, w1, w2)
-    with pytest.raises(ValueError, match="forbid='gather'"):
-        spmd.function(mlp, forbid="gather")
-
-
 # -- what users meet: errors as eagerly, arguments written in place, nesting, limits ----------------------------------
 def test_a_plain_argument_written_in_place_is_updated_for_the_caller(mesh22):
     """The seeds' autobroadcast replicates a plain tensor argument for the call; a write into it reaches the
@@ -745,26 +504,3 @@ def test_past_its_trace_limit_a_function_runs_eagerly_with_a_warning(mesh22):
     assert scale.experimental_get_tracing_count() == 2
 
 
-def test_torch_compile_on_dtensors_recompiles_for_new_layouts_and_shapes_with_static_sizes(mesh22):
-    """Dynamo makes a recompile's sizes dynamic, which spmd's rules do not take: a DTensor's dims (and its
-    components') are marked static, so each new layout or shape is a static recompile."""
-    f = torch.compile(lambda t: torch.relu(t) * 2, backend="aot_eager")
-    cases = ((torch.randn(8, 16), ["x", U]), (torch.randn(8, 16), [U, U]), (torch.randn(16, 16), ["x", "y"]))
-    for value, specs in cases:
-        out = f(spmd.copy_to_mesh(value, Layout(specs, mesh22)))
-        torch.testing.assert_close(gather(out), torch.relu(value) * 2)
-
-
-@pytest.mark.parametrize("name", ["sum of products + 3", "square of a product", "difference of scaled products"])
-def test_a_constraint_after_a_sum_of_pending_sums_is_one_reduce_scatter(mesh22, name):
-    """A constraint moves back over elementwise ops (pow too) down to a sum of pending sums (scaled by numbers or
-    not), which stays one pending sum: one reduce-scatter, not one per summand."""
-    h = spmd.copy_to_mesh(torch.randn(8, 8), Layout([U, "y"], mesh22))
-    w = spmd.copy_to_mesh(torch.randn(8, 8), Layout(["y", U], mesh22))
-    target = Layout(["y", U], mesh22)
-    fn = {"sum of products + 3": lambda h, w: spmd.relayout(h @ w + h @ w + 3, target),
-          "square of a product": lambda h, w: spmd.relayout((h @ w) ** 2, target),
-          "difference of scaled products": lambda h, w: spmd.relayout((h @ w - h @ w * 2) * 3, target)}[name]
-    f = spmd.function(fn, backend="aot_eager")
-    assert [(c.kind, c.mesh_dims) for c in f.explain(h, w).collectives] == [("reduce_scatter", ("y",))]
-    torch.testing.assert_close(gather(f(h, w)), gather(fn(h, w)))
