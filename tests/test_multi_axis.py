@@ -223,6 +223,21 @@ def test_views_keep_multi_axis_layouts(specs, fn, out_specs, kinds):
     torch.testing.assert_close(spmd.to_global(out), fn(a))
 
 
+def test_complex_views_keep_multi_axis_layouts_and_take_in_place_ops():
+    z = torch.randn(8, 4, dtype=torch.complex128)
+    out, got = _kinds(lambda: torch.view_as_real(spmd.copy_to_mesh(z, XY)))
+    assert spmd.fetch_layout(out) == Layout([("x", "y"), U, U], MESH) and got == []
+    back = torch.view_as_complex(out)
+    assert spmd.fetch_layout(back) == XY and torch.equal(spmd.to_global(back), z)
+    d = spmd.copy_to_mesh(z, XY)
+    d.real.add_(1)
+    d.imag.mul_(2)
+    z.real.add_(1)
+    z.imag.mul_(2)
+    assert spmd.fetch_layout(d) == XY and torch.equal(spmd.to_global(d), z)
+    check_replicas(d)
+
+
 def test_compiled_output_aliasing_a_multi_axis_input_keeps_its_layout():
     """AOTAutograd regenerates an output that aliases an input outside the graph (`_unsafe_view` of the input): it
     keeps the input's layout, as eagerly, with no collective."""

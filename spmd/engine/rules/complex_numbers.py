@@ -22,14 +22,14 @@ from spmd.engine.rules.view import keeps_pending
 aten = torch.ops.aten
 
 
-@register(aten.view_as_real.default)
+@register(aten.view_as_real.default, multi_axis=True)  # (any axes: tuples too)
 @keeps_pending
 def view_as_real_rule(call: OpCall) -> Decision:
     axes = call.specs[0].axes
     return Decision((axes,), (axes + (None,),), lambda l, a, k: torch.view_as_real(l[0]))
 
 
-@register(aten.view_as_complex.default)
+@register(aten.view_as_complex.default, multi_axis=True)
 @keeps_pending
 def view_as_complex_rule(call: OpCall) -> Decision:
     axes = call.specs[0].axes[:-1]
