@@ -1,14 +1,18 @@
-"""Result dtypes are torch's in every layout: the DTensor's dtype, its global value's and every device's component's.
+"""Result dtypes and roundings are torch's in every layout: the DTensor's dtype, its global value's and every
+device's component's; and where an op needs no sum over devices, its values bit for bit (bfloat16 and float16
+included), since each device computes exactly the block torch computes.
 
-Torch promotes a 0-d tensor more weakly than a dimensioned one (`bf16 * f32_0d` is bf16), and its integer sums and
-scans widen to int64 unless given `dtype=`; the components of a DTensor have one more axis than it, and the
-collectives combine partial results, so both have to be kept as the global tensor would have them.
+Torch promotes a 0-d tensor more weakly than a dimensioned one (`bf16 * f32_0d` is bf16), its integer sums and
+scans widen to int64 unless given `dtype=`, and its reduced-precision kernels compute in float32 and round once;
+the components of a DTensor have one more axis than it, and the collectives combine partial results, so all of
+this has to be kept as the global tensor would have it.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import spmd
 from spmd import UNSHARDED as U, Layout
@@ -99,3 +103,75 @@ def test_linear_with_a_bias_rounds_once_as_torchs(mesh22, x_layout, w_layout, b_
     x, w, b = torch.randn(32, 16, dtype=dtype), torch.randn(32, 16, dtype=dtype), torch.randn(32, dtype=dtype)
     got = torch.nn.functional.linear(on(mesh22, x, *x_layout), on(mesh22, w, *w_layout), on(mesh22, b, *b_layout))
     same(got, torch.nn.functional.linear(x, w, b))
+
+
+def _bf16(*shape, seed=0, positive=False):
+    t = torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+    return (t.abs() + 0.5 if positive else t).to(torch.bfloat16)
+
+
+# (name, op, inputs, their layouts on the 2x2 mesh): ops needing no sum over devices in these layouts
+EXACT = {
+    "baddbmm, batch sharded": (torch.baddbmm, [_bf16(4, 4, 4), _bf16(4, 4, 8, seed=1), _bf16(4, 8, 4, seed=2)],
+                               [("x", U, U)] * 3),
+    "addmv, rows sharded": (torch.addmv, [_bf16(8), _bf16(8, 16, seed=1), _bf16(16, seed=2)], [("x",), ("x", U), (U,)]),
+    "addbmm, replicated": (torch.addbmm, [_bf16(4, 4), _bf16(4, 4, 8, seed=1), _bf16(4, 8, 4, seed=2)],
+                           [(U, U), (U, U, U), (U, U, U)]),
+    "bilinear, batch sharded": (F.bilinear, [_bf16(8, 6), _bf16(8, 5, seed=1), _bf16(4, 6, 5, seed=2)],
+                                [("x", U), ("x", U), (U, U, U)]),
+    "cross_entropy mean, replicated": (lambda x, t: F.cross_entropy(x, t), [_bf16(8, 10), torch.arange(8) % 10],
+                                       [(U, U), (U,)]),
+    "batch_norm eval, channels sharded": (
+        lambda x, m, v, w, b: F.batch_norm(x, m, v, w, b, training=False),
+        [_bf16(8, 8, 6), _bf16(8, seed=1), _bf16(8, seed=2, positive=True), _bf16(8, seed=3), _bf16(8, seed=4)],
+        [("x", "y", U), ("y",), ("y",), ("y",), ("y",)]),
+    "batch_norm eval, fp32 statistics": (
+        lambda x, m, v, w, b: F.batch_norm(x, m, v, w, b, training=False),
+        [_bf16(8, 8, 6), torch.randn(8), torch.rand(8) + 0.5, torch.randn(8), torch.randn(8)],
+        [("x", U, U), (U,), (U,), (U,), (U,)]),
+    "batch_norm training, whole batch": (
+        lambda x, m, v, w, b: F.batch_norm(x, m.clone(), v.clone(), w, b, training=True),
+        [_bf16(8, 8, 6), torch.randn(8), torch.rand(8) + 0.5, torch.randn(8), torch.randn(8)],
+        [(U, "y", U), ("y",), ("y",), ("y",), ("y",)]),
+}
+
+
+@pytest.mark.parametrize("name", list(EXACT))
+def test_ops_without_a_sum_over_devices_round_as_torchs(mesh22, name):
+    fn, values, layouts = EXACT[name]
+    same(fn(*(on(mesh22, v, *layout) for v, layout in zip(values, layouts))), fn(*values))
+
+
+@pytest.mark.parametrize("x_layout", [(U, U, U, U), ("x", U, U, U)])
+def test_group_norm_weight_and_bias_gradients_sum_as_torchs(mesh22, x_layout):
+    """torch sums a bfloat16 input's gradients into float32 parameters' gradients in float32."""
+    x, go = _bf16(4, 8, 4, 4), _bf16(4, 8, 4, 4, seed=1)
+    w, b = torch.randn(8, requires_grad=True), torch.randn(8, requires_grad=True)
+    F.group_norm(x, 2, w, b).backward(go)
+    dw, db = on(mesh22, w.detach(), U).requires_grad_(), on(mesh22, b.detach(), U).requires_grad_()
+    F.group_norm(on(mesh22, x, *x_layout), 2, dw, db).backward(on(mesh22, go, *x_layout))
+    if x_layout[0] is U:
+        same(dw.grad, w.grad)
+        same(db.grad, b.grad)
+    else:  # (each device's samples summed as torch's kernel sums them, then summed over devices)
+        torch.testing.assert_close(spmd.to_global(db.grad), b.grad)
+        torch.testing.assert_close(spmd.to_global(dw.grad), w.grad)
+
+
+def test_batch_norm_over_a_sharded_batch_computes_in_float32_and_returns_torchs_dtypes(mesh22):
+    x, stats = _bf16(8, 4, 6), [torch.zeros(4), torch.ones(4)]
+    w, b = torch.randn(4), torch.randn(4)
+    d_stats = [on(mesh22, t, U) for t in stats]
+    want = torch.ops.aten.native_batch_norm(x, w, b, *stats, True, 0.1, 1e-5)  # (updates `stats`)
+    got = torch.ops.aten.native_batch_norm(on(mesh22, x, "x", U, U), on(mesh22, w, U), on(mesh22, b, U), *d_stats,
+                                           True, 0.1, 1e-5)
+    assert [t.dtype for t in got] == [t.dtype for t in want] == [torch.bfloat16, torch.float32, torch.float32]
+    for g, t in zip(got, want):
+        torch.testing.assert_close(spmd.to_global(g), t)
+    for d, t in zip(d_stats, stats):
+        torch.testing.assert_close(spmd.to_global(d), t)
+
+
+def test_a_plain_0d_bias_is_added_by_every_device(mesh22):
+    m, v = torch.randn(8, 16), torch.randn(16)
+    same(torch.addmv(torch.tensor(1.5), on(mesh22, m, "x", U), on(mesh22, v, U)), torch.addmv(torch.tensor(1.5), m, v))

@@ -519,3 +519,19 @@ def test_models_doc_examples():
     failed, attempted = doctest.testfile(str(MODELS_DOC), module_relative=False, globs={}, report=True,
                                          optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     assert attempted >= 30 and failed == 0, f"{failed} of {attempted} examples of {MODELS_DOC.name} failed"
+
+
+def test_multihead_attention_fast_path_returns_no_weights_as_torch():
+    """In evaluation under no_grad, `need_weights=False` takes torch's fused `_native_multi_head_attention`, whose
+    second output is None."""
+    mesh = spmd.create_mesh([("batch", 2)])
+    mha = torch.nn.MultiheadAttention(16, 4, batch_first=True).eval()
+    h = torch.randn(4, 6, 16)
+    dmha = spmd.distribute_module(copy.deepcopy(mha), mesh)
+    dh = spmd.copy_to_mesh(h, spmd.Layout(["batch", spmd.UNSHARDED, spmd.UNSHARDED], mesh))
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (no rule of its own yet: it runs replicated)
+        out, weights = dmha(dh, dh, dh, need_weights=False)
+        want, _ = mha(h, h, h, need_weights=False)
+    assert weights is None
+    torch.testing.assert_close(spmd.to_global(out), want)

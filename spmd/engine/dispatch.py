@@ -481,12 +481,12 @@ def _wrap(plan: _Plan, out, locals_, args, kwargs):
         out = decision.epilogue(out, locals_, args, kwargs)
     shapes = plan.out_shapes
     if shapes is None:
-        shapes = [None if l is None else l.global_shape_from_local_shape(o.shape[1:])
-                  for o, l in zip(out, plan.out_layouts)]
+        shapes = [None if l is None or o is None else l.global_shape_from_local_shape(o.shape[1:])
+                  for o, l in zip(out, plan.out_layouts)]  # (None: an output torch's op leaves out)
         if not decision.value_shaped:
             plan.out_shapes = shapes
     pending = pending or ((),) * len(out)
-    wrapped = [o if l is None else DTensor(o, l, s, pending=p, pending_op=plan.reduce_op)
+    wrapped = [o if s is None else DTensor(o, l, s, pending=p, pending_op=plan.reduce_op)
                for o, l, s, p in zip(out, plan.out_layouts, shapes, pending)]
     return wrapped[0] if decision.single else tuple(wrapped)
 

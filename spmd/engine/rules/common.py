@@ -8,6 +8,7 @@ from typing import Callable
 
 import torch
 
+from spmd.collectives.local import shared
 from spmd.dtensor import DTensor
 from spmd.engine.decision import Kernel, OpCall, TensorSpec
 from spmd.mesh import axis_dims
@@ -48,6 +49,20 @@ def _positional_slots(args, kwargs):
     if any(isinstance(a, (list, tuple)) and any(isinstance(x, DTensor) for x in a) for a in args):
         return None
     return tuple(i for i, a in enumerate(args) if isinstance(a, DTensor))
+
+
+def per_device(func, l, a, k, count: int, writes: tuple = ()):
+    """`func` on each local device's components, restacked (None outputs stay None). `writes`: the components
+    `func` updates in place; where every device shares one copy of such a tensor, the first device's call writes it
+    and the others write into scratch copies."""
+    outs = []
+    for d in range(count):
+        parts = [t[d].clone() if d and i in writes and shared(t) else t[d] for i, t in enumerate(l)]
+        args, kwargs = replace_tensors(a, k, parts)
+        outs.append(func(*args, **kwargs))
+    if isinstance(outs[0], torch.Tensor):
+        return torch.stack(outs)
+    return tuple(None if o[0] is None else torch.stack(o) for o in zip(*outs))
 
 
 def raise_if_kernel_refuses(func, dtype: torch.dtype, rank: int, *args) -> None:

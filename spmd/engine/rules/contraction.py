@@ -18,7 +18,8 @@ import torch
 
 from spmd.collectives.local import one_copy, shared, spread, traced
 from spmd.engine.registry import register
-from spmd.engine.decision import Decision, OpCall
+from spmd.engine.decision import Decision, OpCall, unsupported
+from spmd.engine.rules.common import per_device
 
 aten = torch.ops.aten
 _FREE, _CONTRACTED, _BATCH = 2, 1, 0
@@ -232,9 +233,10 @@ def trilinear_rule(call: OpCall) -> Decision:
     required, out_axes, reduced = einsum_axes(",".join(terms) + "->" + out, operands)
     required = [tuple(None if size == 1 and sizes[label] != 1 else m for m, label, size in zip(req, term, s.shape))
                 for req, term, s in zip(required, terms, specs)]
+    if not reduced:  # each device's result is torch's op on its blocks (its own order of products)
+        return Decision(tuple(required), (out_axes,), lambda l, a, k: per_device(call.func, l, a, k, len(l[0])))
     stacked = f"{','.join('Z' + t for t in terms)}->Z{out}"
-    return Decision(tuple(required), (out_axes,), lambda l, a, k: torch.einsum(stacked, *l),
-                    reduce=(reduced,) if reduced else ())
+    return Decision(tuple(required), (out_axes,), lambda l, a, k: torch.einsum(stacked, *l), reduce=(reduced,))
 
 
 # op: (the einsum of its product, the product of stacked local operands)
@@ -258,6 +260,12 @@ def addmm_rule(call: OpCall) -> Decision:
     """out = beta * bias + alpha * product(a, b). With a pending sum the bias is added once, after the reduction;
     where the product is one over all devices' rows and every device holds the whole bias, it is torch's addmm."""
     equation, local_product = _PRODUCTS[call.func]
+    if len(call.specs) == 2:  # a plain 0-d bias (a scalar every device adds): torch's op on each device
+        required, out_axes, reduced = einsum_axes(equation, [s.axes for s in call.specs])
+        if reduced:
+            raise unsupported(call, "a plain 0-d bias with a sum over devices: distribute the bias first "
+                                    "(spmd.copy_to_mesh)")
+        return Decision(tuple(required), (out_axes,), lambda l, a, k: per_device(call.func, l, a, k, len(l[0])))
     bias, a, b = call.specs
     required, out_axes, reduced = einsum_axes(equation, [a.axes, b.axes])
     summed = _summed(call, equation, required, reduced, local_product)
@@ -295,13 +303,14 @@ def addmm_rule(call: OpCall) -> Decision:
     one_bias = call.func is aten.addmm.default and all(axes is None for axes in bias_axes) \
         and (bias.rank < 2 or bias.shape[0] == 1)
 
+    # no sum over devices: each device's result is torch's op on its blocks, the bias added inside the product
     def kernel(locals_, args, kwargs):
         if one_bias and _one_weight(*locals_[1:]):
             return _addmm_once(*locals_, kwargs.get("beta", 1), kwargs.get("alpha", 1))
-        if call.func is aten.addmm.default and not traced(locals_[1]):  # each device's addmm, the bias added
-            return torch.baddbmm(locals_[0].view(bias_view), *locals_[1:],  # inside the product as torch's
+        if call.func is aten.addmm.default:  # (every device's at once)
+            return torch.baddbmm(locals_[0].view(bias_view), *locals_[1:],
                                  beta=kwargs.get("beta", 1), alpha=kwargs.get("alpha", 1))
-        return add_bias(product(locals_, args, kwargs), locals_, kwargs)
+        return per_device(call.func, locals_, args, kwargs, len(locals_[1]))
     return Decision((bias_axes, *required), (out_axes,), kernel, fixed=fixed)
 
 

@@ -14,7 +14,7 @@ import torch
 from spmd.collectives import Collective, Kind
 from spmd.engine.registry import register
 from spmd.engine.decision import Decision, OpCall, TensorSpec, unsupported
-from spmd.engine.rules.common import block_starts, constant, replace_tensors, shard_starts
+from spmd.engine.rules.common import block_starts, constant, per_device, replace_tensors, shard_starts
 from spmd.engine.rules.pointwise import merge_axes
 from spmd.engine.rules.reduction import arg
 
@@ -193,6 +193,8 @@ def nll_loss_rule(call: OpCall) -> Decision:
         return per.view(n_local, -1).sum(1), total
     reduced = _batch_dims(t_axes) if reduction != 0 else ()
     out_axes = (t_axes if reduction == 0 else (), ())
+    if reduction != 0 and not reduced:  # every device holds the whole batch: torch's own sum (and its rounding)
+        return Decision(inputs, out_axes, lambda l, a, k: per_device(call.func, l, a, k, n_local), single=False)
     if reduction == 1 and reduced:  # both sums in one all-reduce, then their ratio
         def mean(l, a, k, run):
             sums = run(0, torch.stack(kernel(l, a, k), 1))
@@ -346,8 +348,9 @@ _TRAINING = {aten._batch_norm_with_update.default: True, aten._native_batch_norm
 @register(aten.native_batch_norm.default, aten._native_batch_norm_legit.default,
           aten._native_batch_norm_legit.no_stats, *_TRAINING)
 def batch_norm_rule(call: OpCall) -> Decision:
-    """Training: the batch's statistics (two all-reduces over the batch's mesh dims: mean, then the centred
-    squares), running statistics updated in place; evaluation: the running statistics, no collective."""
+    """Evaluation, or training on a whole batch: torch's own kernel on each device's components (no collective:
+    torch's values and dtypes). Training on a sharded batch: the batch's statistics (two all-reduces over its mesh
+    dims: mean, then the centred squares), running statistics updated in place."""
     specs = _optional_specs(call, ("input", "weight", "bias", "running_mean", "running_var"))
     x = specs["input"]
     bn = _BatchNorm(call, x, specs.get("running_mean"))
@@ -357,41 +360,47 @@ def batch_norm_rule(call: OpCall) -> Decision:
     names = [n for n in ("input", "weight", "bias", "running_mean", "running_var") if n in specs]
     inputs = tuple(bn.x_axes if n == "input" else (bn.c,) for n in names)
     slot = {n: i for i, n in enumerate(names)}
+    stats = (bn.c,) if training else (None,)
+    outputs = (bn.x_axes, stats, stats) + (((None,),) if reserve else ())
+    writes = tuple(slot[n] for n in ("running_mean", "running_var") if n in slot) if training else ()
+    if not (training and bn.batch):
+        folds = not training and bn.c is None  # every device's channels alike: one call over all devices' rows
+        return Decision(inputs, outputs, lambda l, a, k: _folded_batch_norm(call.func, l, a, k) if folds else
+                        per_device(call.func, l, a, k, call.num_local, writes), single=False, writes=writes)
+    stat_dtype = next((specs[n].dtype for n in ("weight", "running_mean") if n in specs), x.dtype)
 
-    def affine(l, y):
-        if "weight" in slot:
-            y = y * bn.per_channel(l[slot["weight"]])
-        return y + bn.per_channel(l[slot["bias"]]) if "bias" in slot else y
-
-    def kernel(l, a, k, run=None):
-        outs = normalise(l, run)
-        return outs + (l[0].new_empty(l[0].shape[0], 0, dtype=torch.uint8),) if reserve else outs
-
-    def normalise(l, run):
-        xl = l[0]
-        if not training:
-            mean, var = l[slot["running_mean"]], l[slot["running_var"]]
-            invstd = (var + eps).rsqrt()
-            y = affine(l, (xl - bn.per_channel(mean)) * bn.per_channel(invstd))
-            return y, xl.new_empty(xl.shape[0], 0), xl.new_empty(xl.shape[0], 0)  # torch's empty statistics
-        total = lambda t: run(0, t) if bn.batch else t  # noqa: E731
-        mean = total(xl.sum(bn.dims)) / bn.count
+    def kernel(l, a, k, run):
+        xl = _opmath(l[0])
+        mean = run(0, xl.sum(bn.dims)) / bn.count
         centred = xl - bn.per_channel(mean)
-        var = total(centred.square().sum(bn.dims)) / bn.count
+        var = run(0, centred.square().sum(bn.dims)) / bn.count
         invstd = (var + eps).rsqrt()
         if "running_mean" in slot:
             l[slot["running_mean"]].mul_(1 - momentum).add_(mean, alpha=momentum)
             unbiased = var * (bn.count / max(bn.count - 1, 1))
             l[slot["running_var"]].mul_(1 - momentum).add_(unbiased, alpha=momentum)
-        return affine(l, centred * bn.per_channel(invstd)), mean, invstd
+        scale = invstd * _opmath(l[slot["weight"]]) if "weight" in slot else invstd  # y = x * scale + shift,
+        shift = -mean * scale  # as torch's kernel computes it
+        if "bias" in slot:
+            shift = shift + _opmath(l[slot["bias"]])
+        y = (xl * bn.per_channel(scale) + bn.per_channel(shift)).to(l[0].dtype)
+        outs = y, mean.to(stat_dtype), invstd.to(stat_dtype)
+        return outs + (l[0].new_empty(l[0].shape[0], 0, dtype=torch.uint8),) if reserve else outs
+    return Decision(inputs, outputs, kernel, collectives=bn.collectives(), single=False, writes=writes)
 
-    stats = (bn.c,) if training else (None,)
-    outputs = (bn.x_axes, stats, stats) + (((None,),) if reserve else ())
-    collectives = bn.collectives() if training else ()
-    writes = tuple(slot[n] for n in ("running_mean", "running_var") if n in slot) if training else ()
-    if collectives:
-        return Decision(inputs, outputs, kernel, collectives=collectives, single=False, writes=writes)
-    return Decision(inputs, outputs, lambda l, a, k: kernel(l, a, k), single=False, writes=writes)
+
+def _opmath(t: torch.Tensor) -> torch.Tensor:
+    """`t` in the precision torch's CPU kernels compute reduced-precision floats in (float32)."""
+    return t.float() if t.dtype in (torch.bfloat16, torch.float16) else t
+
+
+def _folded_batch_norm(func, l, a, k):
+    """Evaluation with every device's statistics and parameters alike: one call of torch's kernel over all the
+    devices' rows (each row is normalised on its own)."""
+    x = l[0]
+    args, kwargs = replace_tensors(a, k, [x.flatten(0, 1)] + [t[0] for t in l[1:]])
+    outs = func(*args, **kwargs)
+    return (outs[0].view(x.shape),) + tuple(o.expand(x.shape[0], *o.shape) for o in outs[1:])
 
 
 # `batch_norm_backward` (the gradient of `_batch_norm_with_update`) names `train` `update` and the saved inverse
@@ -401,48 +410,45 @@ _NEW_BACKWARD = aten.batch_norm_backward.default
 
 @register(aten.native_batch_norm_backward.default, _NEW_BACKWARD)
 def batch_norm_backward_rule(call: OpCall) -> Decision:
-    """The input's gradient needs the batch's sums of the gradient (one all-reduce, two sums stacked); weight
-    and bias gradients are those sums (training) or pending sums over the batch's mesh dims (evaluation)."""
+    """Evaluation, or training on a whole batch: torch's own kernel on each device's components (weight and bias
+    gradients of evaluation are each device's sums, pending over the batch's mesh dims). Training on a sharded
+    batch: the input's gradient needs the batch's sums of the gradient (one all-reduce, two sums stacked), which
+    are the weight's and bias' gradients."""
     new = call.func is _NEW_BACKWARD
     names = ("grad_out", "input", "weight", "running_mean", "running_var", "save_mean",
              "save_var" if new else "save_invstd") + (("reserve",) if new else ())
     specs = _optional_specs(call, names)
     bn = _BatchNorm(call, specs["input"], specs.get("running_mean"))
-    training, eps, mask = arg(call, "update" if new else "train"), arg(call, "eps"), list(arg(call, "output_mask"))
+    training, mask = arg(call, "update" if new else "train"), list(arg(call, "output_mask"))
     given = [n for n in names if n in specs]
     slot = {n: i for i, n in enumerate(given)}
     if "save_var" in slot:
         slot["save_invstd"] = slot["save_var"]
     inputs = tuple(bn.x_axes if n in ("grad_out", "input") else (None,) if n == "reserve" else (bn.c,)
                    for n in given)
-
-    def kernel(l, a, k, run=None):
-        g, xl = l[0], l[1]
-        if training:
-            mean, invstd = l[slot["save_mean"]], l[slot["save_invstd"]]
-        else:
-            mean, invstd = l[slot["running_mean"]], (l[slot["running_var"]] + eps).rsqrt()
-        xhat = (xl - bn.per_channel(mean)) * bn.per_channel(invstd)
-        sums = torch.stack([g.sum(bn.dims), (g * xhat).sum(bn.dims)])  # (2, L, C): one collective for both
-        if training and bn.batch:
-            sums = run(0, sums.transpose(0, 1)).transpose(0, 1)
-        scale = bn.per_channel(invstd)
-        if "weight" in slot:
-            scale = scale * bn.per_channel(l[slot["weight"]])
-        if not mask[0]:
-            gx = None
-        elif training:
-            gx = scale * (g - bn.per_channel(sums[0]) / bn.count - xhat * bn.per_channel(sums[1]) / bn.count)
-        else:
-            gx = g * scale
-        return gx, sums[1] if mask[1] else None, sums[0] if mask[2] else None
-
     pending = () if training else bn.batch  # evaluation: each device's sums, to be reduced by the consumer
     outputs = (bn.x_axes if mask[0] else None, (bn.c,) if mask[1] else None, (bn.c,) if mask[2] else None)
     reduce = ((), pending if mask[1] else (), pending if mask[2] else ())
-    if training and bn.batch:
-        return Decision(inputs, outputs, kernel, collectives=bn.collectives(), reduce=reduce, single=False)
-    return Decision(inputs, outputs, lambda l, a, k: kernel(l, a, k), reduce=reduce, single=False)
+    if not (training and bn.batch):
+        return Decision(inputs, outputs, lambda l, a, k: per_device(call.func, l, a, k, call.num_local),
+                        reduce=reduce, single=False)
+    grad_dtype = specs["weight"].dtype if "weight" in specs else specs["input"].dtype
+
+    def kernel(l, a, k, run):
+        g, xl = _opmath(l[0]), _opmath(l[1])
+        mean, invstd = _opmath(l[slot["save_mean"]]), _opmath(l[slot["save_invstd"]])
+        xhat = (xl - bn.per_channel(mean)) * bn.per_channel(invstd)
+        sums = torch.stack([g.sum(bn.dims), (g * xhat).sum(bn.dims)])  # (2, L, C): one collective for both
+        sums = run(0, sums.transpose(0, 1)).transpose(0, 1)
+        scale = bn.per_channel(invstd)
+        if "weight" in slot:
+            scale = scale * bn.per_channel(_opmath(l[slot["weight"]]))
+        gx = None
+        if mask[0]:
+            gx = scale * (g - bn.per_channel(sums[0]) / bn.count - xhat * bn.per_channel(sums[1]) / bn.count)
+            gx = gx.to(l[1].dtype)
+        return gx, sums[1].to(grad_dtype) if mask[1] else None, sums[0].to(grad_dtype) if mask[2] else None
+    return Decision(inputs, outputs, kernel, collectives=bn.collectives(), reduce=reduce, single=False)
 
 
 # -- group norm ------------------------------------------------------------------------------------------------------
@@ -487,22 +493,17 @@ def group_norm_backward_rule(call: OpCall) -> Decision:
         g, xl, mean, rstd = l[:4]
         weight = l[4][0] if has_w else None
         n_local, n = xl.shape[:2]
-        gx = None
-        if mask[0]:
+        if not (mask[1] or mask[2]):  # the input's gradient alone: every device's samples in one call
             gx = aten.native_group_norm_backward.default(
                 g.flatten(0, 1).contiguous(), xl.flatten(0, 1).contiguous(), mean.flatten(0, 1), rstd.flatten(0, 1),
-                weight, n_local * n,
-                xl.shape[2], a[7], groups, [True, False, False])[0].view(xl.shape)
-        grouped = (n_local, n, groups, -1)  # (L, N, G, C/G * spatial)
-        gg = g.reshape(grouped)
-        gw = gb = None
-        if mask[1]:
-            xhat = (xl.reshape(grouped) - mean.unsqueeze(-1)) * rstd.unsqueeze(-1)
-            gw = (gg * xhat).view(g.shape).flatten(3).sum((1, 3)) if g.dim() > 3 else (gg * xhat).view(
-                g.shape).sum(1)
-        if mask[2]:
-            gb = g.flatten(3).sum((1, 3)) if g.dim() > 3 else g.sum(1)
-        return gx, gw, gb
+                weight, n_local * n, xl.shape[2], a[7], groups, [True, False, False])[0]
+            return gx.view(xl.shape), None, None
+        # the weight's and bias' gradients summed over each device's samples as torch's kernel sums them (in
+        # float32 for a reduced-precision input), then pending over the batch's mesh dim
+        outs = [aten.native_group_norm_backward.default(g[d].contiguous(), xl[d].contiguous(), mean[d], rstd[d],
+                                                        weight, n, xl.shape[2], a[7], groups, mask)
+                for d in range(n_local)]
+        return tuple(None if o[0] is None else torch.stack(o) for o in zip(*outs))
     pending = (x.axes[0],) if x.axes[0] is not None else ()
     outputs = (axes if mask[0] else None, (None,) if mask[1] else None, (None,) if mask[2] else None)
     reduce = ((), pending if mask[1] else (), pending if mask[2] else ())
@@ -510,17 +511,6 @@ def group_norm_backward_rule(call: OpCall) -> Decision:
 
 
 # -- embedding bag ---------------------------------------------------------------------------------------------------
-def _per_device(func, l, a, k, count: int):
-    """`func` on each local device's components (the op's bags and flat indices do not stack), restacked."""
-    outs = []
-    for d in range(count):
-        args, kwargs = replace_tensors(a, k, [t[d] for t in l])
-        outs.append(func(*args, **kwargs))
-    if isinstance(outs[0], torch.Tensor):
-        return torch.stack(outs)
-    return tuple(torch.stack(o) for o in zip(*outs))
-
-
 def _embedding_columns(spec: TensorSpec, emb_dim) -> tuple:
     """A table-wide tensor (table, gradient, `max` mode's indices) [rows, D]: rows whole, columns as the table's."""
     return (None, emb_dim) if spec.rank == 2 else (None,)
@@ -545,7 +535,7 @@ def embedding_bag_rule(call: OpCall) -> Decision:
         max_mode = arg(call, "mode") == 2
         outputs = ((None, emb_dim), (None,), (None,), (None, emb_dim) if max_mode else (None,))
     n_local = call.num_local
-    return Decision(inputs, outputs, lambda l, a, k: _per_device(call.func, l, a, k, n_local), single=backward)
+    return Decision(inputs, outputs, lambda l, a, k: per_device(call.func, l, a, k, n_local), single=backward)
 
 
 @register(aten._embedding_bag_per_sample_weights_backward.default)
@@ -556,7 +546,7 @@ def embedding_bag_weights_backward_rule(call: OpCall) -> Decision:
     emb_dim = grad.axes[1]
     inputs = ((None, emb_dim), (None, emb_dim)) + tuple((None,) * s.rank for s in call.specs[2:])
     n_local = call.num_local
-    return Decision(inputs, ((None,),), lambda l, a, k: _per_device(call.func, l, a, k, n_local),
+    return Decision(inputs, ((None,),), lambda l, a, k: per_device(call.func, l, a, k, n_local),
                     reduce=((emb_dim,),) if emb_dim is not None else ())
 
 
