@@ -120,8 +120,11 @@ def is_inplace(func) -> bool:
     return bool(args) and args[0].alias_info is not None and args[0].alias_info.is_write
 
 
-def unsupported(call: OpCall, why: str = "") -> UnsupportedOpError:
+def unsupported(call: OpCall, why: str = "", *, any_layout: bool = False) -> UnsupportedOpError:
+    """The error for an op spmd cannot run in the inputs' layouts (`any_layout`: in none of them)."""
+    remedy = ("No layout of its inputs is supported: run it on plain tensors (spmd.to_global, then "
+              "spmd.copy_to_mesh the result), or file an issue with this message." if any_layout else
+              "Relayout the inputs (spmd.relayout) to a supported layout, or file an issue with this message.")
     return UnsupportedOpError(
         f"spmd has no sharding rule for {call.describe()} on mesh {call.mesh.dim_names}={call.mesh.shape()}"
-        + (f": {why}" if why else "") + ". Relayout the inputs (spmd.relayout) to a supported layout, or file "
-        "an issue with this message.")
+        + (f": {why}" if why else "") + ". " + remedy)

@@ -641,15 +641,16 @@ def _fallback_decision(call: OpCall) -> Decision:
     func = call.func
     schema = func._schema
     if schema.is_mutable or torch.Tag.nondeterministic_seeded in func.tags:
-        raise unsupported(call, "it mutates its inputs or draws random numbers, so it cannot run replicated")
+        raise unsupported(call, "it mutates its inputs or draws random numbers, so it cannot run replicated",
+                          any_layout=True)
     if not schema.returns or any(str(r.type) != "Tensor" for r in schema.returns):
-        raise unsupported(call, "its outputs are not plain tensors")
+        raise unsupported(call, "its outputs are not plain tensors", any_layout=True)
     metas = [torch.empty(s.shape, dtype=s.dtype, device="meta") for s in call.specs]
     meta_args, meta_kwargs = replace_tensors(call.args, call.kwargs, metas)
     try:
         out = func(*meta_args, **meta_kwargs)
     except Exception as e:  # no meta kernel: we cannot tell the output shape without running it
-        raise unsupported(call, f"it has no meta implementation ({type(e).__name__})") from None
+        raise unsupported(call, f"it has no meta implementation ({type(e).__name__})", any_layout=True) from None
     single = len(schema.returns) == 1
     outs = (out,) if single else tuple(out)
     if func not in _FELL_BACK:

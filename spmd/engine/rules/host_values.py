@@ -1,4 +1,5 @@
-"""Composite ops whose torch implementation reads tensor values on the host or makes its result from scratch.
+"""Composite ops whose torch implementation reads tensor values on the host or makes its result from scratch, and
+torch's question whether a tensor can become a nested tensor.
 
 Why not a rule: these ops are CompositeImplicitAutograd, so torch decomposes them in C++ at the autograd key,
 before `__torch_dispatch__` could see them. `tensor_split` with a tensor of indices reads the indices' memory
@@ -59,3 +60,14 @@ def empty_matrix_rank(overload, args, kwargs) -> DTensor:
 
 
 register_above_autograd(aten.tensor_split.tensor_indices_or_sections, _tensor_split_by_tensor)
+
+
+def _never_nested(keyset, t, mask):
+    # TransformerEncoder asks, with a key padding mask, whether the batch can become a nested tensor (its fused
+    # inference path): a DTensor cannot, so the answer is no and torch takes its regular path
+    if isinstance(t, DTensor) or isinstance(mask, DTensor):
+        return False
+    return aten._nested_tensor_from_mask_left_aligned.default.redispatch(below(keyset), t, mask)
+
+
+register_above_autograd(aten._nested_tensor_from_mask_left_aligned.default, _never_nested)
