@@ -315,7 +315,7 @@ def _agree(mine: str) -> None:
             from e
     for other, theirs in enumerate(everyone):
         if theirs != mine:
-            devices_only = theirs.rsplit("|", 1)[0] == mine.rsplit("|", 1)[0]
+            devices_only = theirs.rsplit("x", 1)[0] == mine.rsplit("x", 1)[0]  # (all but the count per client)
             raise ValueError(f"clients disagree about the mesh in create_distributed_mesh: client "
                              f"{state.client_id} creates '{mine}' but client {other} creates '{theirs}'; " + (
                                  "every client must hold as many devices (the same num_logical_cpu_devices in "

@@ -18,7 +18,8 @@ def _result(value) -> None:
 
 
 def _error(e: Exception, start: float | None = None) -> dict:
-    return {"error": str(e), "type": type(e).__name__} | ({} if start is None else {"elapsed": time.monotonic() - start})
+    elapsed = {} if start is None else {"elapsed": time.monotonic() - start}
+    return {"error": str(e), "type": type(e).__name__} | elapsed
 
 
 def dead_client():
@@ -110,6 +111,7 @@ def killed_in_backward():
         _result({"error": None})
     except spmd.CollectiveError as e:
         _result(_error(e, start))
+
 
 def unequal_device_counts():
     """Client 1 holds 4 virtual devices, client 0 two: both ask for a 4-device mesh, which only client 0's count

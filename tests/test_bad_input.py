@@ -471,11 +471,7 @@ def test_counts_below_one_are_refused_by_the_parser(argv, says, capsys):
     assert says in capsys.readouterr().err
 
 
-# -- operators -------------------------------------------------------------------------------------------------------
-
-
-
-
+# -- operators and other misuses ---------------------------------------------------------------------------------------
 def test_bitwise_operators_with_a_plain_tensor_raise_spmds_error_not_pythons():
     """torch's operator slots turn a TypeError into NotImplemented; `plain | dtensor` (HF generate's stopping
     criteria) would otherwise read "unsupported operand type(s)" without saying why or how to fix it."""

@@ -57,7 +57,9 @@ def test_a_pending_0d_sum_of_another_dtype_is_promoted_as_one_value(mesh22):
     v = torch.arange(8.)
     total = on(mesh22, v, "x").sum()  # a partial sum on each device until it is read
     x = torch.ones(4, 4, dtype=torch.bfloat16)
-    same(on(mesh22, x, "x", U) * total, x * v.sum())
+    # (the other operand not sharded over the sum's mesh dim, so that the product could stay pending)
+    same(on(mesh22, x, "y", U) * total, x * v.sum())
+    same(on(mesh22, v, "x").sum() * on(mesh22, x, U, U), v.sum() * x)  # (the pending sum first)
 
 
 @pytest.mark.parametrize("layout", [("x", U), (("x", "y"), U), ("x", "y")])
@@ -129,8 +131,8 @@ EXACT = {
         lambda x, m, v, w, b: F.batch_norm(x, m, v, w, b, training=False),
         [_bf16(8, 8, 6), torch.randn(8), torch.rand(8) + 0.5, torch.randn(8), torch.randn(8)],
         [("x", U, U), (U,), (U,), (U,), (U,)]),
-    "batch_norm training, whole batch": (
-        lambda x, m, v, w, b: F.batch_norm(x, m.clone(), v.clone(), w, b, training=True),
+    "batch_norm training, whole batch": (  # (the running statistics after the update, too)
+        lambda x, m, v, w, b: torch.cat([F.batch_norm(x, m, v, w, b, training=True).float().flatten(), m, v]),
         [_bf16(8, 8, 6), torch.randn(8), torch.rand(8) + 0.5, torch.randn(8), torch.randn(8)],
         [(U, "y", U), ("y",), ("y",), ("y",), ("y",)]),
 }
@@ -139,7 +141,8 @@ EXACT = {
 @pytest.mark.parametrize("name", list(EXACT))
 def test_ops_without_a_sum_over_devices_round_as_torchs(mesh22, name):
     fn, values, layouts = EXACT[name]
-    same(fn(*(on(mesh22, v, *layout) for v, layout in zip(values, layouts))), fn(*values))
+    distributed = [on(mesh22, v, *layout) for v, layout in zip(values, layouts)]  # (before fn updates `values`)
+    same(fn(*distributed), fn(*values))
 
 
 @pytest.mark.parametrize("x_layout", [(U, U, U, U), ("x", U, U, U)])

@@ -59,6 +59,7 @@ def test_stalled_client_times_out():
     assert timeout - 0.5 < r["elapsed"] < timeout + 3
 
 
+# -- clients that disagree -------------------------------------------------------------------------------------------
 def test_mesh_disagreement_is_an_error_on_every_client():
     for c, r in enumerate(launch("mismatch")):
         assert r["type"] == "ValueError", r
@@ -82,7 +83,7 @@ def test_a_collective_on_one_client_before_to_global_is_named_on_both_with_the_c
         assert r["type"] == "CollectiveError" and "disagree" in r["error"], r
     assert "(to_global)" in results[0]["error"] + results[1]["error"]
 
-# -- clients that disagree -------------------------------------------------------------------------------------------
+
 def test_clients_holding_different_device_counts_fail_at_once():
     """The client whose count fits the mesh does not wait out the timeout for the one whose count does not."""
     for c, r in enumerate(launch("unequal_device_counts", timeout_s=30)):

@@ -273,3 +273,18 @@ def test_a_traced_step_folds_large_products_and_equals_eager(monkeypatch):
     for got, want in zip(traced, eager):
         torch.testing.assert_close(gather(got), gather(want))
         check_replicas(got)
+
+
+def test_running_statistics_of_per_device_copies_are_updated_on_every_device():
+    """A batch-sharded step leaves the running statistics each device's own copy; a later step on a replicated
+    batch must update every copy, not the first one alone."""
+    mesh = spmd.create_mesh([("batch", 4)])
+    bn = spmd.distribute_module(torch.nn.BatchNorm1d(3), mesh, {})
+    plain = torch.nn.BatchNorm1d(3)
+    x = torch.randn(8, 3)
+    for layout in (["batch", U], [U, U]):
+        bn(spmd.copy_to_mesh(x, spmd.Layout(layout, mesh)))
+        plain(x)
+    for name in ("running_mean", "running_var"):
+        check_replicas(getattr(bn, name))
+        torch.testing.assert_close(spmd.to_global(getattr(bn, name)), getattr(plain, name))

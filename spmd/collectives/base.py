@@ -11,6 +11,12 @@ import torch
 REDUCE_OPS = ("sum", "avg", "max", "min")
 
 
+def kept_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """The dtype a sum of partial results keeps: the components' own (torch's sum widens an int32 one to int64);
+    None (torch's choice) for bool."""
+    return None if x.dtype == torch.bool else x.dtype
+
+
 class Kind(str, enum.Enum):
     """What a step of a relayout or a decision moves. A `str` enum: `Kind.ALL_REDUCE == "all_reduce"`."""
     ALL_REDUCE = "all_reduce"

@@ -54,7 +54,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from spmd.collectives import assembly, p2p
 from spmd.collectives.groups import (all_gather as _all_gather, const as _const, failure, group as _group,
                                      owners as _owners, tracing as _tracing, unreachable, wire as _wire)
-from spmd.collectives.base import Collectives
+from spmd.collectives.base import Collectives, kept_dtype
 from spmd.errors import CollectiveError
 
 _OPS = {"sum": "sum", "avg": "sum", "max": "max", "min": "min"}  # avg: a sum, divided after
@@ -167,8 +167,10 @@ def _summary(what: str, x: torch.Tensor) -> torch.Tensor:
 
 
 # calls every client makes together that are not one collective (each runs several, or a compiled graph's)
-BOUNDARIES = CHECKPOINT_SAVE, CHECKPOINT_LOAD, FUNCTION_CALL = (
-    "spmd.checkpoint.save", "spmd.checkpoint.load", "a call of an spmd.function")
+CHECKPOINT_SAVE = "spmd.checkpoint.save"
+CHECKPOINT_LOAD = "spmd.checkpoint.load"
+FUNCTION_CALL = "a call of an spmd.function"
+BOUNDARIES = (CHECKPOINT_SAVE, CHECKPOINT_LOAD, FUNCTION_CALL)
 
 
 def _describe(summary: list[int], names: dict[int, str]) -> str:
@@ -201,8 +203,9 @@ def check_boundary(what: str, mesh=None) -> None:
     group = _group(ranks)
     if group is None:
         return
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
     try:
-        differs = _disagreement(_summary(what, torch.empty(1, 0)), group, ranks, what)
+        differs = _disagreement(_summary(what, torch.empty(1, 0, device=device)), group, ranks, what)
     except RuntimeError as e:
         raise unreachable(what, e) from e
     if differs:
@@ -262,7 +265,7 @@ class DistributedCollectives(Collectives):
         """(groups, *local): the sum of this client's members of each group (no copy when it is `x` itself)."""
         if batch.identity:
             return x
-        return self._contributions(x, batch).sum(1, dtype=None if x.dtype == torch.bool else x.dtype)
+        return self._contributions(x, batch).sum(1, dtype=kept_dtype(x))
 
     def spread(self, sums: torch.Tensor, batch: _Batch) -> torch.Tensor:
         """(L, *local): each local member's group's value of `sums` (groups, *local)."""
@@ -387,7 +390,7 @@ class DistributedCollectives(Collectives):
             mine = self._contributions(x, batch)  # (groups, slots, *local)
             valid = (_const(batch.mine, x) >= 0).view(batch.mine.shape + (1,) * (x.dim() - 1))
             if op in ("sum", "avg"):
-                partial = mine.sum(1, dtype=None if x.dtype == torch.bool else x.dtype)
+                partial = mine.sum(1, dtype=kept_dtype(x))
             else:
                 fill = torch.finfo(x.dtype).min if x.dtype.is_floating_point else torch.iinfo(
                     x.dtype if x.dtype != torch.bool else torch.uint8).min

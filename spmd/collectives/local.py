@@ -15,7 +15,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor
 
-from spmd.collectives.base import Collectives
+from spmd.collectives.base import Collectives, kept_dtype
 from spmd.layout import axis_dims
 
 
@@ -58,8 +58,8 @@ def spread(part: torch.Tensor, mesh_shape: tuple, stack_shape: tuple) -> torch.T
 
 
 def _reduce(grid: torch.Tensor, axes: tuple[int, ...], op: str) -> torch.Tensor:
-    if op == "sum":  # (in the components' dtype: torch's sum would widen an int32 one to int64)
-        return grid.sum(dim=axes, keepdim=True, dtype=None if grid.dtype == torch.bool else grid.dtype)
+    if op == "sum":
+        return grid.sum(dim=axes, keepdim=True, dtype=kept_dtype(grid))
     if op == "avg":
         return grid.mean(dim=axes, keepdim=True)
     if op == "max":

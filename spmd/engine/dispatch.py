@@ -309,7 +309,8 @@ def _execute(plan: _Plan, func, args, kwargs, tensors):
     if plan.in_steps:
         for i, steps in plan.in_steps:
             locals_[i] = planner.run(locals_[i], plan.mesh, steps)
-    if plan.once is not None and (not plan.writes or shared(locals_[0])):
+    if plan.once is not None and (not plan.writes or shared(locals_[0])) and \
+            all(shared(locals_[i]) for i in plan.written):  # (a written input of per-device copies: each writes)
         return _execute_once(plan, args, kwargs, tensors, locals_)
     for i in plan.written:
         if shared(locals_[i]) and locals_[i] is tensors[i]._stack:

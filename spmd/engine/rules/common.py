@@ -8,7 +8,9 @@ from typing import Callable
 
 import torch
 
-from spmd.collectives.local import shared
+from torch._dispatch.python import no_python_dispatcher
+from torch.utils._python_dispatch import _disable_current_modes
+
 from spmd.dtensor import DTensor
 from spmd.engine.decision import Kernel, OpCall, TensorSpec
 from spmd.mesh import axis_dims
@@ -51,14 +53,11 @@ def _positional_slots(args, kwargs):
     return tuple(i for i, a in enumerate(args) if isinstance(a, DTensor))
 
 
-def per_device(func, l, a, k, count: int, writes: tuple = ()):
-    """`func` on each local device's components, restacked (None outputs stay None). `writes`: the components
-    `func` updates in place; where every device shares one copy of such a tensor, the first device's call writes it
-    and the others write into scratch copies."""
+def per_device(func, l, a, k, count: int):
+    """`func` on each local device's components, restacked (None outputs stay None)."""
     outs = []
     for d in range(count):
-        parts = [t[d].clone() if d and i in writes and shared(t) else t[d] for i, t in enumerate(l)]
-        args, kwargs = replace_tensors(a, k, parts)
+        args, kwargs = replace_tensors(a, k, [t[d] for t in l])
         outs.append(func(*args, **kwargs))
     if isinstance(outs[0], torch.Tensor):
         return torch.stack(outs)
@@ -67,13 +66,21 @@ def per_device(func, l, a, k, count: int, writes: tuple = ()):
 
 def raise_if_kernel_refuses(func, dtype: torch.dtype, rank: int, *args) -> None:
     """Raises torch's own error where its kernel of `func` does not take `dtype` (meta kernels, which check the
-    arguments first, do not check dtypes), by running it on one element of that dtype."""
-    func(torch.zeros((1,) * rank, dtype=dtype), *args)
+    arguments first, do not check dtypes), by running it on one element of that dtype (on the CPU, outside any
+    trace: a trace would run the meta kernel)."""
+    with _disable_current_modes(), no_python_dispatcher():
+        func(torch.zeros((1,) * rank, dtype=dtype), *args)
 
 
-# the `pad` of a replicated 0-d operand among higher-rank ones: its one value, 0-d, so that torch promotes dtypes
-# as for a 0-d tensor (`bf16 * f32_0d` is bf16), not as for the stack of every device's copy
-SCALAR = "scalar"
+class _Scalar:
+    """The `pad` of a replicated 0-d operand among higher-rank ones: its one value, 0-d, so that torch promotes
+    dtypes as for a 0-d tensor (`bf16 * f32_0d` is bf16), not as for the stack of every device's copy."""
+
+    def __repr__(self) -> str:
+        return "SCALAR"
+
+
+SCALAR = _Scalar()
 
 
 def broadcast_view(x: torch.Tensor, pad: int | str | None) -> torch.Tensor:

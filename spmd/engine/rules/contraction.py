@@ -302,12 +302,15 @@ def addmm_rule(call: OpCall) -> Decision:
     # plain torch's addmm
     one_bias = call.func is aten.addmm.default and all(axes is None for axes in bias_axes) \
         and (bias.rank < 2 or bias.shape[0] == 1)
+    low_precision = a.dtype in (torch.bfloat16, torch.float16)
 
     # no sum over devices: each device's result is torch's op on its blocks, the bias added inside the product
     def kernel(locals_, args, kwargs):
         if one_bias and _one_weight(*locals_[1:]):
             return _addmm_once(*locals_, kwargs.get("beta", 1), kwargs.get("alpha", 1))
-        if call.func is aten.addmm.default:  # (every device's at once)
+        if call.func is aten.addmm.default:  # every device's at once; where the devices fold into one product,
+            if summed is not None and not low_precision:  # that product, then the bias (float32 rounds alike)
+                return add_bias(product(locals_, args, kwargs), locals_, kwargs)
             return torch.baddbmm(locals_[0].view(bias_view), *locals_[1:],
                                  beta=kwargs.get("beta", 1), alpha=kwargs.get("alpha", 1))
         return per_device(call.func, locals_, args, kwargs, len(locals_[1]))

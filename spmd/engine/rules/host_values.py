@@ -1,10 +1,11 @@
 """Composite ops whose torch implementation reads tensor values on the host or makes its result from scratch, and
 torch's question whether a tensor can become a nested tensor.
 
-Why not a rule: these ops are CompositeImplicitAutograd, so torch decomposes them in C++ at the autograd key,
-before `__torch_dispatch__` could see them. `tensor_split` with a tensor of indices reads the indices' memory
-(a DTensor's wrapper has none); `linalg.matrix_rank` of an empty batch fills an `at::empty` of its own, a plain
-tensor (`empty_matrix_rank`: spmd/scope.py's kernel for matrix_rank calls it). So spmd registers, for these
+Why not a rule: the composite ops are CompositeImplicitAutograd, so torch decomposes them in C++ at the autograd
+key, before `__torch_dispatch__` could see them; the question returns a bool, which a rule cannot. `tensor_split`
+with a tensor of indices reads the indices' memory (a DTensor's wrapper has none); `linalg.matrix_rank` of an empty
+batch fills an `at::empty` of its own, a plain tensor (`empty_matrix_rank`: spmd/scope.py's kernel for matrix_rank
+calls it). So spmd registers, for these
 overloads only, a kernel at the `PythonTLSSnapshot` key, which only tensor subclasses (and active Python modes)
 reach, above autograd: with no DTensor argument it passes the call on unchanged; with one it runs the op in
 DTensor terms, and torch's own decomposition does the rest.

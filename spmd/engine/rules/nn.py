@@ -360,13 +360,13 @@ def batch_norm_rule(call: OpCall) -> Decision:
     names = [n for n in ("input", "weight", "bias", "running_mean", "running_var") if n in specs]
     inputs = tuple(bn.x_axes if n == "input" else (bn.c,) for n in names)
     slot = {n: i for i, n in enumerate(names)}
-    stats = (bn.c,) if training else (None,)
+    stats = (bn.c,)  # (evaluation: empty on the CPU, the running statistics' size on CUDA)
     outputs = (bn.x_axes, stats, stats) + (((None,),) if reserve else ())
     writes = tuple(slot[n] for n in ("running_mean", "running_var") if n in slot) if training else ()
     if not (training and bn.batch):
         folds = not training and bn.c is None  # every device's channels alike: one call over all devices' rows
         return Decision(inputs, outputs, lambda l, a, k: _folded_batch_norm(call.func, l, a, k) if folds else
-                        per_device(call.func, l, a, k, call.num_local, writes), single=False, writes=writes)
+                        per_device(call.func, l, a, k, call.num_local), single=False, writes=writes)
     stat_dtype = next((specs[n].dtype for n in ("weight", "running_mean") if n in specs), x.dtype)
 
     def kernel(l, a, k, run):

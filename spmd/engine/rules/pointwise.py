@@ -129,7 +129,7 @@ def _linear_in_pending(call: OpCall, specs: list[TensorSpec], out_axes: tuple):
     if kind is None or not dims or set(dims) & {d for m in out_axes for d in axis_dims(m)}:
         return (), ()
     pending = [s.pending for s in specs]
-    if any(p and not s.shape and s.dtype != specs[0].dtype for p, s in zip(pending, specs)):
+    if any(p and not s.shape and any(o.dtype != s.dtype for o in specs) for p, s in zip(pending, specs)):
         return (), ()  # a pending 0-d operand of another dtype: resolved, so that torch promotes it as one value
     if kind == "both":
         linear = len(specs) == 2 and all(isinstance(a, TensorSpec) for a in call.args[:2]) and \
