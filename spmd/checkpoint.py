@@ -394,10 +394,10 @@ class _Clients:
         self.dist.all_gather_object(results, mine)
         return {rank: e for rank, e in enumerate(results) if e is not None}
 
-    def start(self, what: str, path) -> None:
-        """Before `what` (save or load) of `path`: with SPMD_CHECK_COLLECTIVES, checks that every client starts it."""
+    def start(self, boundary: str) -> None:
+        """Before `boundary` (a save or a load): with SPMD_CHECK_COLLECTIVES, checks that every client starts it."""
         if self.dist is not None:
-            check_boundary(CHECKPOINT_SAVE if what == "save" else CHECKPOINT_LOAD)
+            check_boundary(boundary)
 
     @staticmethod
     def lost(what: str, path, error: BaseException) -> CollectiveError:
@@ -471,7 +471,7 @@ def save(state_dict: dict, path) -> None:
     if session is not None:  # controller DTensors: their workers write the shards (spmd/controller/checkpoint.py)
         return session.checkpoint_save(plain, path)
     clients = _Clients()
-    clients.start("save", path)
+    clients.start(CHECKPOINT_SAVE)
     try:
         token = clients.broadcast(_token() if clients.is_coordinator else None)
     except RuntimeError as e:
@@ -615,7 +615,7 @@ def load(state_dict: dict, path, *, strict: bool = True) -> None:
 def _load_here(dcp, template: dict, reader, planner, path: Path) -> None:
     """DCP's load of `template` by this process (and the other clients, with a process group)."""
     clients = _Clients()
-    clients.start("load", path)
+    clients.start(CHECKPOINT_LOAD)
     try:
         with _dcp_call():
             dcp.load(template, storage_reader=reader, planner=planner)

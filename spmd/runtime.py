@@ -27,6 +27,7 @@ import torch
 
 from spmd import clients
 from spmd.api import pack
+from spmd.collectives.groups import unreachable
 # the client state lives in spmd.clients, below the mesh and the collectives that read it; its readers stay public here
 from spmd.clients import DEFAULT_TIMEOUT_S, collective_timeout, is_initialized, local_cuda_index  # noqa: F401
 from spmd.errors import CollectiveError
@@ -310,9 +311,7 @@ def _agree(mine: str) -> None:
     try:
         dist.all_gather_object(everyone, mine, group=state.control)
     except RuntimeError as e:
-        raise CollectiveError(f"client {state.client_id} of {state.num_clients}: create_distributed_mesh({mine!r}) "
-                              f"could not reach the other clients within {state.timeout.total_seconds():g}s: {e}") \
-            from e
+        raise unreachable(f"create_distributed_mesh({mine!r})", e) from e
     for other, theirs in enumerate(everyone):
         if theirs != mine:
             devices_only = theirs.rsplit("x", 1)[0] == mine.rsplit("x", 1)[0]  # (all but the count per client)

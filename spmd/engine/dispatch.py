@@ -91,8 +91,7 @@ def mixed_tensor_error(plain: torch.Tensor) -> MixedTensorError:
     return MixedTensorError(
         f"a plain torch.Tensor of shape {list(plain.shape)} was mixed with DTensors; only Python scalars, 0-d "
         f"tensors and int32/int64 tensors of fewer than {SMALL_INTEGER_TENSOR} elements are broadcast "
-        "automatically. "
-        "Distribute it first: spmd.copy_to_mesh(tensor, layout); where torch made it inside an op's own "
+        "automatically. Distribute it first: spmd.copy_to_mesh(tensor, layout); where torch made it inside an op's own "
         "implementation, run the op under spmd.implicit_replication()")
 
 

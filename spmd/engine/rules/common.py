@@ -7,7 +7,6 @@ import dataclasses
 from typing import Callable
 
 import torch
-
 from torch._dispatch.python import no_python_dispatcher
 from torch.utils._python_dispatch import _disable_current_modes
 
@@ -72,6 +71,10 @@ def raise_if_kernel_refuses(func, dtype: torch.dtype, rank: int, *args) -> None:
         func(torch.zeros((1,) * rank, dtype=dtype), *args)
 
 
+# reduced-precision floats, which torch's CPU kernels compute in float32 and round once
+REDUCED_PRECISION = (torch.bfloat16, torch.float16)
+
+
 class _Scalar:
     """The `pad` of a replicated 0-d operand among higher-rank ones: its one value, 0-d, so that torch promotes
     dtypes as for a 0-d tensor (`bf16 * f32_0d` is bf16), not as for the stack of every device's copy."""
@@ -83,7 +86,7 @@ class _Scalar:
 SCALAR = _Scalar()
 
 
-def broadcast_view(x: torch.Tensor, pad: int | str | None) -> torch.Tensor:
+def broadcast_view(x: torch.Tensor, pad: int | _Scalar | None) -> torch.Tensor:
     """Stacked components `(L, *local)` viewed as `(L, 1, ..., 1, *local)` with `pad` ones: right-aligned to a
     higher rank (or, for SCALAR, the one value). (Shaped from the components themselves, so that a decision holds
     on finer blocks too: see engine/multi_axis.py.)"""

@@ -19,7 +19,7 @@ import torch
 from spmd.collectives.local import one_copy, shared, spread, traced
 from spmd.engine.registry import register
 from spmd.engine.decision import Decision, OpCall, unsupported
-from spmd.engine.rules.common import per_device
+from spmd.engine.rules.common import REDUCED_PRECISION, per_device
 
 aten = torch.ops.aten
 _FREE, _CONTRACTED, _BATCH = 2, 1, 0
@@ -302,7 +302,7 @@ def addmm_rule(call: OpCall) -> Decision:
     # plain torch's addmm
     one_bias = call.func is aten.addmm.default and all(axes is None for axes in bias_axes) \
         and (bias.rank < 2 or bias.shape[0] == 1)
-    low_precision = a.dtype in (torch.bfloat16, torch.float16)
+    low_precision = a.dtype in REDUCED_PRECISION
 
     # no sum over devices: each device's result is torch's op on its blocks, the bias added inside the product
     def kernel(locals_, args, kwargs):

@@ -5,10 +5,9 @@ Why not a rule: the composite ops are CompositeImplicitAutograd, so torch decomp
 key, before `__torch_dispatch__` could see them; the question returns a bool, which a rule cannot. `tensor_split`
 with a tensor of indices reads the indices' memory (a DTensor's wrapper has none); `linalg.matrix_rank` of an empty
 batch fills an `at::empty` of its own, a plain tensor (`empty_matrix_rank`: spmd/scope.py's kernel for matrix_rank
-calls it). So spmd registers, for these
-overloads only, a kernel at the `PythonTLSSnapshot` key, which only tensor subclasses (and active Python modes)
-reach, above autograd: with no DTensor argument it passes the call on unchanged; with one it runs the op in
-DTensor terms, and torch's own decomposition does the rest.
+calls it). So spmd registers, for these overloads only, a kernel at the `PythonTLSSnapshot` key, which only tensor
+subclasses (and active Python modes) reach, above autograd: with no DTensor argument it passes the call on
+unchanged; with one it runs the op in DTensor terms, and torch's own decomposition does the rest.
 """
 
 from __future__ import annotations

@@ -14,7 +14,8 @@ import torch
 from spmd.collectives import Collective, Kind
 from spmd.engine.registry import register
 from spmd.engine.decision import Decision, OpCall, TensorSpec, unsupported
-from spmd.engine.rules.common import block_starts, constant, per_device, replace_tensors, shard_starts
+from spmd.engine.rules.common import (REDUCED_PRECISION, block_starts, constant, per_device, replace_tensors,
+                                      shard_starts)
 from spmd.engine.rules.pointwise import merge_axes
 from spmd.engine.rules.reduction import arg
 
@@ -364,9 +365,10 @@ def batch_norm_rule(call: OpCall) -> Decision:
     outputs = (bn.x_axes, stats, stats) + (((None,),) if reserve else ())
     writes = tuple(slot[n] for n in ("running_mean", "running_var") if n in slot) if training else ()
     if not (training and bn.batch):
-        folds = not training and bn.c is None  # every device's channels alike: one call over all devices' rows
-        return Decision(inputs, outputs, lambda l, a, k: _folded_batch_norm(call.func, l, a, k) if folds else
-                        per_device(call.func, l, a, k, call.num_local), single=False, writes=writes)
+        if not training and bn.c is None:  # every device's channels alike: one call over all devices' rows
+            return Decision(inputs, outputs, lambda l, a, k: _folded_batch_norm(call.func, l, a, k), single=False)
+        return Decision(inputs, outputs, lambda l, a, k: per_device(call.func, l, a, k, call.num_local),
+                        single=False, writes=writes)
     stat_dtype = next((specs[n].dtype for n in ("weight", "running_mean") if n in specs), x.dtype)
 
     def kernel(l, a, k, run):
@@ -391,7 +393,7 @@ def batch_norm_rule(call: OpCall) -> Decision:
 
 def _opmath(t: torch.Tensor) -> torch.Tensor:
     """`t` in the precision torch's CPU kernels compute reduced-precision floats in (float32)."""
-    return t.float() if t.dtype in (torch.bfloat16, torch.float16) else t
+    return t.float() if t.dtype in REDUCED_PRECISION else t
 
 
 def _folded_batch_norm(func, l, a, k):
