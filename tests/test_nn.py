@@ -15,6 +15,7 @@ import spmd
 from spmd import UNSHARDED, Layout, LayoutMap
 from spmd import random as srandom
 from spmd.engine import planner
+from spmd.explain import Recorder
 from sweep import issued
 
 U = UNSHARDED
@@ -521,20 +522,37 @@ def test_models_doc_examples():
     assert attempted >= 30 and failed == 0, f"{failed} of {attempted} examples of {MODELS_DOC.name} failed"
 
 
-def test_multihead_attention_fast_path_returns_no_weights_as_torch():
-    """In evaluation under no_grad, `need_weights=False` takes torch's fused `_native_multi_head_attention`, whose
-    second output is None."""
-    mesh = spmd.create_mesh([("batch", 2)])
+@pytest.mark.parametrize("masks", ["none", "key_padding", "attn", "both"])
+@pytest.mark.parametrize("need_weights,average", [(False, True), (True, True), (True, False)])
+def test_multihead_attention_fast_path_keeps_the_batch_sharded(masks, need_weights, average):
+    """In evaluation under no_grad, batch-first MultiheadAttention takes torch's fused `_native_multi_head_attention`
+    (its merged masks: key padding [B, S], or [B, H, L, S]): each device computes its own rows, no collective; the
+    second output is None without `need_weights`, as torch's."""
+    mesh = spmd.create_mesh([("batch", 2), ("model", 2)])
+    torch.manual_seed(0)
     mha = torch.nn.MultiheadAttention(16, 4, batch_first=True).eval()
     h = torch.randn(4, 6, 16)
+    kpm = torch.zeros(4, 6, dtype=torch.bool)
+    kpm[1, -2:] = True
+    causal = torch.triu(torch.ones(6, 6, dtype=torch.bool), 1)
+    masks = {"key_padding_mask": kpm if masks in ("key_padding", "both") else None,
+             "attn_mask": causal if masks in ("attn", "both") else None}
+    dmasks = {k: v if v is None else spmd.copy_to_mesh(v, spmd.Layout(["batch" if k[0] == "k" else U, U], mesh))
+              for k, v in masks.items()}
     dmha = spmd.distribute_module(copy.deepcopy(mha), mesh)
-    dh = spmd.copy_to_mesh(h, spmd.Layout(["batch", spmd.UNSHARDED, spmd.UNSHARDED], mesh))
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # (no rule of its own yet: it runs replicated)
-        out, weights = dmha(dh, dh, dh, need_weights=False)
-        want, _ = mha(h, h, h, need_weights=False)
-    assert weights is None
+    dh = spmd.copy_to_mesh(h, spmd.Layout(["batch", U, U], mesh))
+    with torch.no_grad(), warnings.catch_warnings(), Recorder() as seen:
+        warnings.simplefilter("error")  # no replicated fallback
+        out, weights = dmha(dh, dh, dh, need_weights=need_weights, average_attn_weights=average, **dmasks)
+        want, want_weights = mha(h, h, h, need_weights=need_weights, average_attn_weights=average, **masks)
+    assert "_native_multi_head_attention" in [r.op for r in seen.ops] and seen.collectives == []
+    assert specs(out) == ["batch", U, U]
     torch.testing.assert_close(spmd.to_global(out), want)
+    if need_weights:
+        assert specs(weights) == ["batch"] + [U] * (want_weights.dim() - 1)
+        torch.testing.assert_close(spmd.to_global(weights), want_weights)
+    else:
+        assert weights is None
 
 
 def test_transformer_encoder_inference_with_a_padding_mask_takes_torchs_regular_path():
@@ -546,9 +564,12 @@ def test_transformer_encoder_inference_with_a_padding_mask_takes_torchs_regular_
     denc = spmd.distribute_module(copy.deepcopy(enc), mesh, {})
     x, pad = torch.randn(4, 6, 8), torch.zeros(4, 6, dtype=torch.bool)
     pad[1, -2:] = True
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # (the layers' fused inference kernel has no rule of its own yet)
+    with torch.no_grad(), warnings.catch_warnings(), Recorder() as seen:
+        warnings.simplefilter("ignore")  # (torch's nested tensors' prototype warning)
+        warnings.filterwarnings("error", "spmd")  # the layers' fused kernel has a rule: no replicated fallback
         want = enc(x, src_key_padding_mask=pad)
         out = denc(spmd.copy_to_mesh(x, spmd.Layout(["batch", spmd.UNSHARDED, spmd.UNSHARDED], mesh)),
                    src_key_padding_mask=spmd.copy_to_mesh(pad, spmd.Layout(["batch", spmd.UNSHARDED], mesh)))
+    assert [r.op for r in seen.ops].count("_transformer_encoder_layer_fwd") == 2 and seen.collectives == []
+    assert specs(out) == ["batch", U, U]
     torch.testing.assert_close(spmd.to_global(out)[~pad], want[~pad])
