@@ -3,5 +3,5 @@
 
 from spmd.engine.rules import (complex_numbers, contraction, conv, elementwise, fft,  # noqa: F401
                                fused_layers, host_values, indexing, linalg, loss, nn, pointwise, random_ops,
-                               ranges, rearrange, reduction, row_losses, scans, tensor_ops, value_shaped, view,
-                               view_copies, view_scatters, vocab_parallel)
+                               ranges, rearrange, reduction, row_losses, scans, sharded_folds, tensor_ops,
+                               value_shaped, view, view_copies, view_scatters, vocab_parallel)

@@ -1,0 +1,95 @@
+"""Contractions that torch folds into one matrix product: `linear` and `matmul` of a rank >= 3 input, and
+`einsum`, merge several axes into one (`[S, B, E]` -> `[S*B, E]`, a batch `[B, H]` -> `[B*H]`) before `mm`/`bmm`.
+
+A merged axis is block-sharded only where the sharded axes lead: merging `[S, B]` with B sharded and S whole gives
+each device every S-th run of rows, which no layout describes, so the view would gather the whole tensor (and every
+device would compute the whole product). Sequence-first activations with a sharded batch, sequence-parallel rows,
+attention with sharded heads and a whole batch all meet it. These composite ops are decomposed by torch above
+`__torch_dispatch__` (CompositeImplicitAutograd), so spmd takes them first (engine/rules/host_values.py's
+`register_above_autograd`): where a sharded axis follows a whole one among the axes torch merges, it moves the
+sharded axes first (a view), lets torch fold that, and moves the result's axes back — no collective; torch then
+copies the permuted input to fold it, a local copy where the gather moved and computed everything.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from spmd.dtensor import DTensor
+from spmd.engine.rules.host_values import below, register_above_autograd
+
+aten = torch.ops.aten
+
+
+def _sharded(t, axis: int) -> bool:
+    return isinstance(t, DTensor) and axis >= 0 and t._layout.num_shards(axis) > 1
+
+
+def _sharded_first(sharded: list[bool]) -> list[int] | None:
+    """The order that puts the sharded axes of a group that torch merges first (stable), or None if they lead."""
+    order = [i for i, s in enumerate(sharded) if s] + [i for i, s in enumerate(sharded) if not s]
+    return None if order == sorted(order) else order
+
+
+def _inverse(order: list[int]) -> list[int]:
+    inverse = [0] * len(order)
+    for position, axis in enumerate(order):
+        inverse[axis] = position
+    return inverse
+
+
+def _lead_order(t, lead: int) -> list[int] | None:
+    """The order of `t`'s first `lead` axes (those torch folds into rows) that puts its sharded ones first."""
+    return _sharded_first([_sharded(t, i) for i in range(lead)]) if isinstance(t, DTensor) and lead > 1 else None
+
+
+def _linear(keyset, input, weight, bias=None):
+    order = _lead_order(input, input.dim() - 1)
+    if order is None:
+        return aten.linear.default.redispatch(below(keyset), input, weight, bias)
+    out = aten.linear.default(input.permute(order + [input.dim() - 1]), weight, bias)
+    return out.permute(_inverse(order) + [out.dim() - 1])
+
+
+def _matmul(keyset, a, b):
+    if a.dim() >= 3 and b.dim() <= 2:  # a's leading axes fold into rows
+        order = _lead_order(a, a.dim() - 1)
+        if order is not None:
+            out = aten.matmul.default(a.permute(order + [a.dim() - 1]), b)
+            return out.permute(_inverse(order) + list(range(len(order), out.dim())))
+    elif a.dim() >= 3 and b.dim() >= 3:  # batched: the broadcast batch axes fold into one
+        rank = max(a.dim(), b.dim())
+        order = _sharded_first([_sharded(a, i + a.dim() - rank) or _sharded(b, i + b.dim() - rank)
+                                for i in range(rank - 2)])
+        if order is not None:
+            a, b = (x.reshape((1,) * (rank - x.dim()) + tuple(x.shape)) for x in (a, b))  # broadcast ranks alike
+            tail = [rank - 2, rank - 1]
+            out = aten.matmul.default(a.permute(order + tail), b.permute(order + tail))
+            return out.permute(_inverse(order) + tail)
+    return aten.matmul.default.redispatch(below(keyset), a, b)
+
+
+def _einsum(keyset, equation, tensors, *, path=None):
+    output_order = _einsum_output_order(equation, tensors)
+    if output_order is None:
+        return aten.einsum.default.redispatch(below(keyset), equation, tensors, path=path)
+    inputs, output = equation.replace(" ", "").split("->")
+    out = aten.einsum.default(f"{inputs}->{''.join(output[i] for i in output_order)}", tensors, path=path)
+    return out.permute(_inverse(output_order))
+
+
+def _einsum_output_order(equation: str, tensors) -> list[int] | None:
+    """torch's einsum merges the output's labels in their order (batch labels, then each operand's own): an
+    output order with the sharded labels first, or None if they lead (or the equation has no explicit output, or
+    an ellipsis)."""
+    if "->" not in equation or "." in equation or not any(isinstance(t, DTensor) for t in tensors):
+        return None
+    inputs, output = equation.replace(" ", "").split("->")
+    sharded = {label for operand, t in zip(inputs.split(","), tensors) if isinstance(t, DTensor)
+               for i, label in enumerate(operand) if _sharded(t, i)}
+    return _sharded_first([label in sharded for label in output])
+
+
+register_above_autograd(aten.linear.default, _linear)
+register_above_autograd(aten.matmul.default, _matmul)
+register_above_autograd(aten.einsum.default, _einsum)

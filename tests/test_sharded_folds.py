@@ -1,0 +1,72 @@
+"""linear, matmul and einsum, which torch folds into one matrix product: a sharded axis behind a whole one among
+the folded axes (sequence-first activations with a sharded batch, sequence-parallel rows, attention heads sharded
+over a whole batch) stays sharded, with no collective — values and gradients in every layout as plain torch's."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import spmd
+from spmd import UNSHARDED as U, Layout
+from sweep import MESH, check_op, issued, rand
+
+CASES = {
+    "linear [S, B, E]": (lambda x, w, b: F.linear(x, w, b), [rand(4, 4, 6), rand(8, 6), rand(8)]),
+    "linear 4-D, no bias": (lambda x, w: F.linear(x, w), [rand(2, 2, 4, 6), rand(8, 6)]),
+    "matmul 3-D @ 2-D": (torch.matmul, [rand(4, 4, 6), rand(6, 4)]),
+    "matmul 3-D @ 1-D": (torch.matmul, [rand(4, 4, 6), rand(6)]),
+    "matmul batched 4-D": (torch.matmul, [rand(2, 4, 3, 6), rand(2, 4, 6, 3)]),
+    "matmul batched, broadcast": (torch.matmul, [rand(4, 3, 6), rand(2, 4, 6, 3)]),
+    "einsum attention scores": (lambda q, k: torch.einsum("bhld,bhsd->bhls", q, k),
+                                [rand(2, 4, 3, 6), rand(2, 4, 3, 6)]),
+    "einsum seq-first linear": (lambda x, w: torch.einsum("sbe,oe->sbo", x, w), [rand(4, 4, 6), rand(8, 6)]),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_every_layout_equals_torch(case):
+    fn, inputs = CASES[case]
+    assert check_op(fn, inputs, sample=40) > 1
+
+
+def _dist(x, specs, mesh=MESH):
+    return spmd.copy_to_mesh(x, Layout(specs, mesh)).requires_grad_()
+
+
+# (function, inputs with their layouts, the output's expected layout)
+NO_GATHER = {
+    "seq-first linear, batch sharded": (lambda x, w: F.linear(x, w), [(rand(4, 4, 6), [U, "x", U]),
+                                                                       (rand(8, 6), [U, U])], [U, "x", U]),
+    "sequence-parallel linear": (lambda x, w: F.linear(x, w), [(rand(4, 4, 6), [U, "y", U]),
+                                                               (rand(8, 6), [U, U])], [U, "y", U]),
+    "heads sharded, batch whole": (torch.matmul, [(rand(2, 4, 3, 6), [U, "y", U, U]),
+                                                  (rand(2, 4, 6, 3), [U, "y", U, U])], [U, "y", U, U]),
+    "einsum heads sharded": (lambda q, k: torch.einsum("bhld,bhsd->bhls", q, k),
+                             [(rand(2, 4, 3, 6), [U, "x", U, U]), (rand(2, 4, 3, 6), [U, "x", U, U])],
+                             [U, "x", U, U]),
+}
+
+
+@pytest.mark.parametrize("case", NO_GATHER)
+def test_no_collective_in_the_forward(case):
+    fn, inputs, out_specs = NO_GATHER[case]
+    args = [_dist(x, specs) for x, specs in inputs]
+    out, collectives = issued(lambda: fn(*args))
+    assert collectives == []
+    assert spmd.fetch_layout(out).sharding_specs == out_specs
+    torch.testing.assert_close(spmd.to_global(out), fn(*[x for x, _ in inputs]))
+
+
+def test_seq_first_training_step_reduces_only_the_weight_gradient():
+    """A sequence-first linear with a batch-sharded input and a replicated weight: the backward's one collective
+    is the weight gradient's sum over the batch."""
+    x, w, g = rand(4, 4, 6), rand(8, 6), rand(4, 4, 8)
+    dx, dw = _dist(x, [U, "x", U]), _dist(w, [U, U])
+    dg = spmd.copy_to_mesh(g, Layout([U, "x", U], MESH))
+    _, collectives = issued(lambda: (F.linear(dx, dw) * dg).sum().backward())
+    assert collectives == [("all_reduce", ("x",))]  # (the loss stays a pending sum: nothing reads it)
+    xp, wp = x.clone().requires_grad_(), w.clone().requires_grad_()
+    (F.linear(xp, wp) * g).sum().backward()
+    torch.testing.assert_close(spmd.to_global(dw.grad), wp.grad)
+    torch.testing.assert_close(spmd.to_global(dx.grad), xp.grad)
+    assert spmd.fetch_layout(dx.grad).sharding_specs == [U, "x", U]
