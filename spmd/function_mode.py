@@ -431,6 +431,9 @@ def _trace_error(fn, e: Exception, what: str | None = None) -> TraceError:
     if lines[0].startswith("Dynamic shape operator"):
         fix = (" (an op whose result's shape depends on the values: nonzero, x[mask], masked_select, unique, "
                "bincount). Call it outside the function, or pass fullgraph=False to run it eagerly between graphs.")
+    elif lines[0].startswith("Attempted to wrap RNN"):
+        fix = (": torch.compile does not trace recurrent modules (their fused kernels). Run the module outside the "
+               "function (eager spmd keeps its batch sharded), or pass fullgraph=False to run it eagerly.")
     else:
         fix = (". Rewrite that line without Python control flow on tensor values, or pass fullgraph=False to run "
                "the untraceable part eagerly.")

@@ -25,12 +25,12 @@ from torch import nn
 
 from spmd.api import copy_to_mesh, relayout
 from spmd.buckets import DEFAULT_BUCKET_CAP_MB, bucket_gradients
-from spmd.creation import empty
+from spmd.creation import empty, zeros
 from spmd.data import DTensorDataset
 from spmd.dtensor import DTensor
 from spmd.errors import IndivisibleError, LayoutError, MixedTensorError
 from spmd.fsdp import gather_on_use, sharded_layout
-from spmd.layout import Layout
+from spmd.layout import UNSHARDED, Layout
 from spmd.mesh import Mesh
 from spmd.scope import EAGER_IMPLICIT_REPLICATION, default_mesh, implicit_replication, replicates_plain
 from spmd.variable import DVariable
@@ -361,9 +361,45 @@ class _MeshForward:
             return self._forward(args, kwargs)
 
     def _forward(self, args, kwargs):
+        if isinstance(self.module, (nn.RNNBase, nn.RNNCellBase)):
+            args, kwargs = _with_initial_state(self.module, args, kwargs)
+            if not torch.compiler.is_compiling() and any(isinstance(a, DTensor) for a in args):
+                # the CPU's fused oneDNN layer has no sharding rule: torch's step-by-step cells keep the batch
+                # sharded where the fused layer would run replicated (an all-gather of the sequence)
+                enabled = torch._C._get_mkldnn_enabled()  # (torch.backends.mkldnn.flags warns about TF32)
+                torch._C._set_mkldnn_enabled(False)
+                try:
+                    return self._call(args, kwargs)
+                finally:
+                    torch._C._set_mkldnn_enabled(enabled)
+        return self._call(args, kwargs)
+
+    def _call(self, args, kwargs):
         if self.inner is not None:
             return self.inner(*args, **kwargs)
         return type(self.module).forward(self.module, *args, **kwargs)  # (Dynamo cannot trace MethodType)
+
+
+def _with_initial_state(rnn: nn.Module, args, kwargs) -> tuple:
+    """The arguments of a recurrent module's call, given zeros as initial state laid out like the input's batch
+    where the call has none: torch makes plain zeros, whole on every device, so the first step's gate sums
+    (in-place, into the state's layout) would gather the batch-sharded input's gates."""
+    if not args or not isinstance(args[0], DTensor) or len(args) > 1 or kwargs.get("hx") is not None:
+        return args, kwargs
+    x = args[0]
+    cell = isinstance(rnn, nn.RNNCellBase)
+    if x.dim() != (2 if cell else 3):  # unbatched: no batch axis to follow
+        return args, kwargs
+    batch_axis = 0 if cell or rnn.batch_first else 1
+    batch_spec = x._layout.sharding_specs[batch_axis]
+    lead = () if cell else (rnn.num_layers * (2 if rnn.bidirectional else 1),)
+    specs = [UNSHARDED] * len(lead) + [batch_spec, UNSHARDED]
+    sizes = [rnn.hidden_size] if cell or not rnn.proj_size else [rnn.proj_size]
+    if isinstance(rnn, (nn.LSTM, nn.LSTMCell)):
+        sizes.append(rnn.hidden_size)  # the cell state
+    states = tuple(zeros(*lead, x.shape[batch_axis], size, dtype=x.dtype, layout=Layout(specs, x._layout.mesh))
+                   for size in sizes)
+    return (x, states if len(states) > 1 else states[0]), kwargs
 
 
 def _forwards_on_mesh(module: nn.Module) -> None:

@@ -573,3 +573,82 @@ def test_transformer_encoder_inference_with_a_padding_mask_takes_torchs_regular_
     assert [r.op for r in seen.ops].count("_transformer_encoder_layer_fwd") == 2 and seen.collectives == []
     assert specs(out) == ["batch", U, U]
     torch.testing.assert_close(spmd.to_global(out)[~pad], want[~pad])
+
+
+# -- recurrent modules ------------------------------------------------------------------------------------------
+RECURRENT = {
+    "LSTM": lambda: nn.LSTM(6, 8),
+    "LSTM batch_first, 2 layers, bidirectional": lambda: nn.LSTM(6, 8, 2, batch_first=True, bidirectional=True),
+    "LSTM with projections": lambda: nn.LSTM(6, 8, batch_first=True, proj_size=4),
+    "GRU": lambda: nn.GRU(6, 8, batch_first=True),
+    "RNN relu, 2 layers": lambda: nn.RNN(6, 8, 2, nonlinearity="relu"),
+    "LSTMCell": lambda: nn.LSTMCell(6, 8),
+    "GRUCell": lambda: nn.GRUCell(6, 8),
+}
+
+
+@pytest.mark.parametrize("name", RECURRENT)
+def test_recurrent_modules_keep_the_batch_sharded(name):
+    """A batch-sharded input through a recurrent module (its initial state made by torch, or given): no collective
+    in the forward, and in the backward only the weight gradients' sums over the batch; values and gradients as
+    torch's."""
+    mesh = spmd.create_mesh([("batch", 2)])
+    torch.manual_seed(0)
+    rnn = RECURRENT[name]()
+    cell = isinstance(rnn, nn.RNNCellBase)
+    batch_axis = 0 if cell or rnn.batch_first else 1
+    x = torch.randn(4, 6) if cell else torch.randn(4, 5, 6) if batch_axis == 0 else torch.randn(5, 4, 6)
+    drnn = spmd.distribute_module(copy.deepcopy(rnn), mesh)
+    specs_of_x = [U] * x.dim()
+    specs_of_x[batch_axis] = "batch"
+    dx = spmd.copy_to_mesh(x, Layout(specs_of_x, mesh)).requires_grad_()
+    with warnings.catch_warnings(), Recorder() as seen:
+        warnings.filterwarnings("error", "spmd")
+        out = drnn(dx)
+        out = out[0] if isinstance(out, tuple) else out
+        out.sum().backward()
+    forward = [c for c in seen.collectives if not c.backward]
+    assert forward == [] and {(c.kind, c.mesh_dims) for c in seen.collectives} == {("all_reduce", ("batch",))}
+    assert len(seen.collectives) == len(list(rnn.parameters()))
+    assert specs(out)[batch_axis] == "batch"
+    xp = x.clone().requires_grad_()
+    want = rnn(xp)
+    want = want[0] if isinstance(want, tuple) else want
+    want.sum().backward()
+    torch.testing.assert_close(spmd.to_global(out), want)
+    torch.testing.assert_close(spmd.to_global(dx.grad), xp.grad)
+    for (n, p), q in zip(drnn.named_parameters(), rnn.parameters()):
+        torch.testing.assert_close(spmd.to_global(p.grad), q.grad, msg=n)
+
+
+def test_recurrent_module_with_a_given_state_and_unbatched_input():
+    mesh = spmd.create_mesh([("batch", 2)])
+    torch.manual_seed(0)
+    lstm = nn.LSTM(6, 8, batch_first=True)
+    dlstm = spmd.distribute_module(copy.deepcopy(lstm), mesh)
+    x, h, c = torch.randn(4, 5, 6), torch.randn(1, 4, 8), torch.randn(1, 4, 8)
+    out, (hy, cy) = dlstm(spmd.copy_to_mesh(x, Layout(["batch", U, U], mesh)),
+                          tuple(spmd.copy_to_mesh(t, Layout([U, "batch", U], mesh)) for t in (h, c)))
+    want, (want_h, want_c) = lstm(x, (h, c))
+    for got, expected in ((out, want), (hy, want_h), (cy, want_c)):
+        torch.testing.assert_close(spmd.to_global(got), expected)
+    assert specs(hy) == [U, "batch", U]
+    single = spmd.copy_to_mesh(x[0], Layout([U, U], mesh))  # unbatched: torch makes its own state
+    torch.testing.assert_close(spmd.to_global(dlstm(single)[0]), lstm(x[0])[0])
+
+
+def test_recurrent_module_under_spmd_function_names_the_limit():
+    """Dynamo does not trace recurrent modules: a clear TraceError, and with fullgraph=False the module runs
+    eagerly between graphs."""
+    mesh = spmd.create_mesh([("batch", 2)])
+    torch.manual_seed(0)
+    gru = nn.GRU(6, 8, batch_first=True)
+    dgru = spmd.distribute_module(copy.deepcopy(gru), mesh)
+    x = torch.randn(4, 5, 6)
+    dx = spmd.copy_to_mesh(x, Layout(["batch", U, U], mesh))
+
+    def total(x):
+        return dgru(x)[0].sum()
+    with pytest.raises(spmd.TraceError, match="does not trace recurrent modules.*fullgraph=False"):
+        spmd.function(total)(dx)
+    torch.testing.assert_close(spmd.to_global(spmd.function(total, fullgraph=False)(dx)), gru(x)[0].sum())
