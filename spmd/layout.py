@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import torch
+
 from spmd import jax_sharding, torch_placements
 from spmd.errors import IndivisibleError, LayoutError
 from spmd.hlo_sharding import OpSharding, from_mesh_axes, to_mesh_axes
@@ -69,6 +71,8 @@ class Layout:
         self._shards = tuple(_shards(a, mesh) for a in axes)
         self._string = "sharding_specs:" + "".join(s + "," for s in specs) + " mesh:" + mesh.to_string()
         self._hash = None  # hashed when first asked: Dynamo of torch 2.11 cannot trace `hash` (a Layout in a trace)
+        if _ON_SHARDED_BEHIND_WHOLE and _sharded_behind_whole(self._shards):
+            _sharded_behind_whole_seen()
 
     # -- constructors --------------------------------------------------------------------------------------------
     @classmethod
@@ -340,6 +344,27 @@ class Layout:
 
     def __deepcopy__(self, memo):
         return self
+
+
+_ON_SHARDED_BEHIND_WHOLE: list = []  # callbacks waiting for the first such layout (see `on_sharded_behind_whole`)
+
+
+def on_sharded_behind_whole(callback) -> None:
+    """Calls `callback()` once, when a layout first shards an axis that follows a whole one and is not the last
+    (`[S, B, E]` with B sharded): the rule engine's handling of such layouts costs every op that could meet one, so
+    it is switched on only when one exists (engine/rules/sharded_folds.py)."""
+    _ON_SHARDED_BEHIND_WHOLE.append(callback)
+
+
+def _sharded_behind_whole(shards: tuple) -> bool:
+    return any(shards[i] > 1 and min(shards[:i]) == 1 for i in range(1, len(shards) - 1))
+
+
+def _sharded_behind_whole_seen() -> None:
+    if torch.compiler.is_compiling():  # (a trace cannot register kernels: the next eager layout does)
+        return
+    while _ON_SHARDED_BEHIND_WHOLE:
+        _ON_SHARDED_BEHIND_WHOLE.pop()()
 
 
 def _shards(axis, mesh: Mesh) -> int:

@@ -8,7 +8,8 @@ attention with sharded heads and a whole batch all meet it. These composite ops 
 `__torch_dispatch__` (CompositeImplicitAutograd), so spmd takes them first (engine/rules/host_values.py's
 `register_above_autograd`): where a sharded axis follows a whole one among the axes torch merges, it moves the
 sharded axes first (a view), lets torch fold that, and moves the result's axes back — no collective; torch then
-copies the permuted input to fold it, a local copy where the gather moved and computed everything.
+copies the permuted input to fold it, a local copy where the gather moved and computed everything. The kernels
+are registered once a layout that needs them exists, since they cost every call.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 
 from spmd.dtensor import DTensor
 from spmd.engine.rules.host_values import below, register_above_autograd
+from spmd.layout import on_sharded_behind_whole
 
 aten = torch.ops.aten
 
@@ -90,6 +92,10 @@ def _einsum_output_order(equation: str, tensors) -> list[int] | None:
     return _sharded_first([label in sharded for label in output])
 
 
-register_above_autograd(aten.linear.default, _linear)
-register_above_autograd(aten.matmul.default, _matmul)
-register_above_autograd(aten.einsum.default, _einsum)
+def _register() -> None:
+    register_above_autograd(aten.linear.default, _linear)
+    register_above_autograd(aten.matmul.default, _matmul)
+    register_above_autograd(aten.einsum.default, _einsum)
+
+
+on_sharded_behind_whole(_register)  # a kernel above autograd costs each call ~10 us: only where it can matter
