@@ -54,7 +54,10 @@ def test_no_collective_in_the_forward(case):
     out, collectives = issued(lambda: fn(*args))
     assert collectives == []
     assert spmd.fetch_layout(out).sharding_specs == out_specs
-    torch.testing.assert_close(spmd.to_global(out), fn(*[x for x, _ in inputs]))
+    want = fn(*[x for x, _ in inputs])
+    torch.testing.assert_close(spmd.to_global(out), want)
+    assert out.stride() == want.stride()  # contiguous, as torch's: a following view works
+    out.view(-1)
 
 
 def test_seq_first_training_step_reduces_only_the_weight_gradient():

@@ -8,7 +8,8 @@ attention with sharded heads and a whole batch all meet it. These composite ops 
 `__torch_dispatch__` (CompositeImplicitAutograd), so spmd takes them first (engine/rules/host_values.py's
 `register_above_autograd`): where a sharded axis follows a whole one among the axes torch merges, it moves the
 sharded axes first (a view), lets torch fold that, and moves the result's axes back — no collective; torch then
-copies the permuted input to fold it, a local copy where the gather moved and computed everything. The kernels
+copies the permuted input to fold it and the result back to torch's contiguous order, local copies where the
+gather moved and computed everything. The kernels
 are registered once a layout that needs them exists, since they cost every call.
 """
 
@@ -50,7 +51,7 @@ def _linear(keyset, input, weight, bias=None):
     if order is None:
         return aten.linear.default.redispatch(below(keyset), input, weight, bias)
     out = aten.linear.default(input.permute(order + [input.dim() - 1]), weight, bias)
-    return out.permute(_inverse(order) + [out.dim() - 1])
+    return out.permute(_inverse(order) + [out.dim() - 1]).contiguous()  # (torch's result is contiguous)
 
 
 def _matmul(keyset, a, b):
@@ -58,7 +59,7 @@ def _matmul(keyset, a, b):
         order = _lead_order(a, a.dim() - 1)
         if order is not None:
             out = aten.matmul.default(a.permute(order + [a.dim() - 1]), b)
-            return out.permute(_inverse(order) + list(range(len(order), out.dim())))
+            return out.permute(_inverse(order) + list(range(len(order), out.dim()))).contiguous()
     elif a.dim() >= 3 and b.dim() >= 3:  # batched: the broadcast batch axes fold into one
         rank = max(a.dim(), b.dim())
         order = _sharded_first([_sharded(a, i + a.dim() - rank) or _sharded(b, i + b.dim() - rank)
@@ -67,7 +68,7 @@ def _matmul(keyset, a, b):
             a, b = (x.reshape((1,) * (rank - x.dim()) + tuple(x.shape)) for x in (a, b))  # broadcast ranks alike
             tail = [rank - 2, rank - 1]
             out = aten.matmul.default(a.permute(order + tail), b.permute(order + tail))
-            return out.permute(_inverse(order) + tail)
+            return out.permute(_inverse(order) + tail).contiguous()
     return aten.matmul.default.redispatch(below(keyset), a, b)
 
 
@@ -77,7 +78,7 @@ def _einsum(keyset, equation, tensors, *, path=None):
         return aten.einsum.default.redispatch(below(keyset), equation, tensors, path=path)
     inputs, output = equation.replace(" ", "").split("->")
     out = aten.einsum.default(f"{inputs}->{''.join(output[i] for i in output_order)}", tensors, path=path)
-    return out.permute(_inverse(output_order))
+    return out.permute(_inverse(output_order)).contiguous()
 
 
 def _einsum_output_order(equation: str, tensors) -> list[int] | None:
