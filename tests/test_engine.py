@@ -74,6 +74,8 @@ def test_floats_read_at_run_time_only_for_rules_that_say_so():
     ((None, None), ("y", None), ("y",), [Collective(Kind.REDUCE_SCATTER, ("y",), 0)]),
     (("x", None), (None, "y"), ("y",), [Collective(Kind.REDUCE_SCATTER, ("y",), 1),
                                         Collective(Kind.ALL_GATHER, ("x",), 0)]),
+    ((None, None), ("x", None), ("y",), [Collective(Kind.SHARD, ("x",), 0),  # slice first: a smaller all-reduce
+                                         Collective(Kind.ALL_REDUCE, ("y",))]),
 ])
 def test_planner_steps(src, dst, pending, steps):
     assert list(planner.plan(src, dst, pending)) == steps
@@ -128,6 +130,23 @@ def test_relayout_of_a_pending_reduction_is_one_reduce_scatter(mesh22):
     expected = spmd.copy_to_mesh(vx @ vw, Layout(["y", U], mesh22))
     for got, want in zip(components(out), components(expected)):
         torch.testing.assert_close(got, want)
+
+
+def test_relayout_of_a_pending_sum_to_another_dims_sharding_reduces_only_the_block(mesh22):
+    """A vocabulary-parallel embedding's table gradient, pending over the batch's dim, relayouted to the table's
+    layout sharded over the other dim: each device slices its block of the partial sums, then one all-reduce of
+    the block (not of the whole table, then a slice)."""
+    torch.manual_seed(0)
+    value, ids = torch.randn(16, 4), torch.randint(0, 16, (4, 6))
+    table = spmd.copy_to_mesh(value, Layout(["y", U], mesh22)).requires_grad_()
+    with Recorder() as seen:
+        (F.embedding(spmd.copy_to_mesh(ids, Layout(["x", U], mesh22)), table) ** 2).sum().backward()
+    backward = [(c.kind, c.mesh_dims, c.bytes) for c in seen.collectives if c.backward]
+    assert backward == [("all_reduce", ("x",), 8 * 4 * 4)]  # each device's 8 rows of 4 floats
+    plain = value.clone().requires_grad_()
+    (F.embedding(ids, plain) ** 2).sum().backward()
+    torch.testing.assert_close(gather(table.grad), plain.grad)
+    assert spmd.fetch_layout(table.grad) == Layout(["y", U], mesh22)
 
 
 def test_an_op_wanting_the_reduced_dim_sharded_gets_a_reduce_scatter(mesh22):

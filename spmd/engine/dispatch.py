@@ -564,8 +564,9 @@ def _plan_from_decision(decision: Decision, call: OpCall, tensors, args, kwargs)
                 f"{t._layout.sharding_specs}; this op computes it as {computed}); {way_out}")
         pending = () if i in decision.keeps else t._pending  # a kept sum is relayouted unreduced: still a sum
         steps = planner.plan_on(mesh, have, want, pending, t._pending_op)
-        if pending and not any(s.kind is Kind.REDUCE_SCATTER for s in steps):
-            # resolved into the tensor itself, so that other consumers (and views) do not reduce it again
+        if pending and not any(s.kind is Kind.REDUCE_SCATTER for s in steps) and steps[0].kind is not Kind.SHARD:
+            # resolved into the tensor itself, so that other consumers (and views) do not reduce it again (unless
+            # the plan reduce-scatters, or slices first: a block's sum moves a fraction of the whole's)
             settle.append(i)
             steps = planner.plan_on(mesh, have, want)
         if steps:

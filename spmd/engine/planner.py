@@ -12,7 +12,8 @@ Per mesh dimension the transition table is:
 
 Mesh dims of one size that only change axes (`[x, y] -> [y, x]`) are one permute: each device's block is another's.
 
-A sum pending over several mesh dims that the target does not shard is one all-reduce over all of them.
+A sum pending over several mesh dims that the target does not shard is one all-reduce over all of them, after
+the slices the target takes over other mesh dims (a partial sum's block is the block's partial sum).
 
 Steps are ordered so that every intermediate state is a valid layout (one mesh dimension per tensor axis).
 Plans depend only on immutable values and are cached.
@@ -51,7 +52,11 @@ def plan(src: tuple, dst: tuple, pending: tuple = (), op: str = "sum") -> tuple[
             cur[b] = m
         else:
             summed.append(m)
-    if summed:
+    if summed:  # slicing first (each device's block of the partial sums: no traffic) shrinks the all-reduce
+        for b, m in enumerate(dst):
+            if m is not None and cur[b] is None and m not in cur and m not in pending:
+                steps.append(Collective(Kind.SHARD, (m,), b))
+                cur[b] = m
         steps.append(Collective(Kind.ALL_REDUCE, tuple(summed), op=op))
     while tuple(cur) != dst:
         progressed = False
