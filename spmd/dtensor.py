@@ -352,13 +352,14 @@ def keep_grad_layout(leaf: DTensor) -> None:
     """Relayouts gradients arriving at `leaf` to `leaf`'s layout, so `leaf.grad` has the leaf's layout."""
     if getattr(leaf, "_grad_layout_hook", None) is not None:
         return
-    layout = leaf._layout
+    layout, shape = leaf._layout, leaf.shape  # (not the leaf: a reference from its own hook would keep it alive
+    # and make torch's in-place swaps of a module's parameters, `model.double()`, refuse it)
 
     def to_leaf_layout(grad):
         if grad is None:
             return grad
         if not isinstance(grad, DTensor):  # a formula made it from scratch (zeros): a global value, laid out
-            return _engine.distributed(grad.expand(leaf.shape).contiguous(), layout)
+            return _engine.distributed(grad.expand(shape).contiguous(), layout)
         if grad._layout is not layout and grad._layout != layout:  # a pending reduction of `grad` becomes a
             grad = relayout_op(grad, layout.to_string())  # reduce-scatter where it can
         return grad  # (AccumulateGrad gives it the leaf's strides, as for plain tensors)

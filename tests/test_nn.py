@@ -652,3 +652,22 @@ def test_recurrent_module_under_spmd_function_names_the_limit():
     with pytest.raises(spmd.TraceError, match="does not trace recurrent modules.*fullgraph=False"):
         spmd.function(total)(dx)
     torch.testing.assert_close(spmd.to_global(spmd.function(total, fullgraph=False)(dx)), gru(x)[0].sum())
+
+
+def test_a_distributed_module_swaps_its_parameters_after_a_backward():
+    """torch swaps a module's parameters in place (`model.double()`, a parametrization's registration) only if
+    nothing else holds them: spmd's gradient hook and its op planning keep no reference to a parameter (a call's
+    DTensors were kept alive by a reference cycle until the next collection)."""
+    mesh = spmd.create_mesh([("batch", 2), ("model", 2)])
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 16)
+    dlin = spmd.distribute_module(copy.deepcopy(lin), mesh, {"weight": ["model", U]})
+    x = torch.randn(8, 8)
+    dlin(spmd.copy_to_mesh(x, Layout(["batch", U], mesh))).sum().backward()
+    dlin.double()
+    assert dlin.weight.dtype == torch.float64 and specs(dlin.weight) == ["model", U]
+    torch.testing.assert_close(spmd.to_global(dlin.weight), lin.weight.double())
+    torch.nn.utils.parametrizations.spectral_norm(dlin)
+    torch.nn.utils.parametrizations.spectral_norm(lin.double())
+    lin.eval(), dlin.eval()  # (its power iteration starts from a random vector: spmd's draw is not torch's)
+    torch.testing.assert_close(spmd.to_global(dlin.weight), lin.weight, rtol=1e-3, atol=1e-4)

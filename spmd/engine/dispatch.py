@@ -499,7 +499,6 @@ def _make_plan(func, args, kwargs, tensors) -> _Plan:
             raise MeshMismatchError(
                 f"{func} got DTensors on different meshes: {mesh!r} and {t._layout.mesh!r}. Move one with "
                 "spmd.relayout_like / spmd.copy_to_mesh first.")
-    it = iter(tensors)
     entry = registry.lookup(func)
     native = multi_axis.sees_whole(entry, func, args)  # else rules see a multi-axis input's outer dims only
 
@@ -507,19 +506,10 @@ def _make_plan(func, args, kwargs, tensors) -> _Plan:
     # linear in it as a `sum` does, unless it meets a `sum`: then it is resolved first (one sum is kept per op)
     summable = {"sum"} if any(t._pending_op == "sum" for t in tensors if t._pending) else {"sum", "same"}
 
-    def spec(a):
-        if isinstance(a, DTensor):
-            next(it)
-            pending = a._pending if a._pending_op in summable else ()
-            return TensorSpec(a._layout.axes if native else a._layout.outer_axes, tuple(a.shape), a.dtype,
-                              pending, bool(pending) and a._key[-1] is True)
-        if isinstance(a, (list, tuple)) and any(isinstance(x, DTensor) for x in a):
-            return type(a)(spec(x) for x in a)
-        return a
-
     multi = any(t._layout.multi_axis for t in tensors)
-    call = OpCall(func, tuple(spec(a) for a in args), {k: spec(v) for k, v in kwargs.items()}, mesh,
-                  mesh.num_local_devices(), multi_axis=multi and not native)
+    call = OpCall(func, tuple(_spec(a, native, summable) for a in args),
+                  {k: _spec(v, native, summable) for k, v in kwargs.items()}, mesh, mesh.num_local_devices(),
+                  multi_axis=multi and not native)
     decide = _fallback_decision if entry is None else entry.rule
     decision = decide(call)
     if multi:  # rules saw each multi-axis input sharded over its outer dim
@@ -531,6 +521,18 @@ def _make_plan(func, args, kwargs, tensors) -> _Plan:
         # rules are pure: the same op on a stack of one device's components decides the kernel for that stack
         plan.once = _kernel(decide(dataclasses.replace(call, num_local=1)), mesh, args, kwargs)
     return plan
+
+
+def _spec(a, native: bool, summable: set):
+    """An argument as its rule sees it: a DTensor as its TensorSpec (lists of them too). (A module-level function:
+    a closure calling itself would be a reference cycle, keeping the call's DTensors alive until a collection.)"""
+    if isinstance(a, DTensor):
+        pending = a._pending if a._pending_op in summable else ()
+        return TensorSpec(a._layout.axes if native else a._layout.outer_axes, tuple(a.shape), a.dtype,
+                          pending, bool(pending) and a._key[-1] is True)
+    if isinstance(a, (list, tuple)) and any(isinstance(x, DTensor) for x in a):
+        return type(a)(_spec(x, native, summable) for x in a)
+    return a
 
 
 def _replicated(func, plan: _Plan, tensors) -> bool:
