@@ -17,7 +17,7 @@ from torch.utils._mode_utils import no_dispatch
 
 from spmd import shards
 from spmd.collectives.local import one_copy, share, shared, traced
-from spmd.errors import LayoutError
+from spmd.errors import LayoutError, MixedTensorError, UnsupportedOpError
 from spmd.layout import Layout
 from spmd.mesh import short_device_name
 from spmd.ops import relayout_op
@@ -50,6 +50,10 @@ class _EveryDim:
 
 
 _EVERY_DIM = _EveryDim()
+
+
+# a DTensor's distribution state, its instance attributes beyond torch's (see `DTensor.data`)
+_STATE = ("_stack", "_layout", "_pending", "_pending_op", "_key", "_copied_view", "_view_of", "_bucket")
 
 
 class DTensor(torch.Tensor):
@@ -122,6 +126,35 @@ class DTensor(torch.Tensor):
             local.__dict__.pop("_spmd_flat", None)
         self._pending = ()
         self._key = (self._layout, tuple(self.shape), local.dtype)
+
+    @property
+    def data(self) -> "DTensor":
+        return torch.Tensor.data.__get__(self)
+
+    @data.setter
+    def data(self, value: "DTensor") -> None:
+        """`t.data = value`, as torch's utilities rebind a parameter (`vector_to_parameters`, pruning's `remove`):
+        `t` takes `value`'s components, layout and shape, staying the same object (torch swaps only the wrapper's
+        own metadata: its components would otherwise stay the old ones)."""
+        if not isinstance(value, DTensor):
+            raise MixedTensorError(
+                f"cannot assign a plain torch.Tensor of shape {list(value.shape)} to the .data of a DTensor (layout "
+                f"{self._layout.sharding_specs}): distribute it first, spmd.copy_to_mesh(value, "
+                "spmd.fetch_layout(t))")
+        if self._layout.mesh.remote is not None:
+            raise UnsupportedOpError("assigning .data of a DTensor on a controller mesh is not supported: copy the "
+                                     "value in instead (`with torch.no_grad(): t.copy_(value)`)")
+        value = self._data_value(value)
+        torch.Tensor.data.__set__(self, value)
+        for name in _STATE:
+            if name in value.__dict__:
+                self.__dict__[name] = value.__dict__[name]
+            else:
+                self.__dict__.pop(name, None)
+
+    def _data_value(self, value: "DTensor") -> "DTensor":
+        """What `t.data = value` takes (a DVariable's layout stays its own)."""
+        return value
 
     # -- torch.compile: a traceable wrapper subclass --------------------------------------------------------------
     # Dynamo and AOTAutograd see the stacked components as the one inner tensor, and the layout and the

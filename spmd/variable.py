@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from spmd.api import copy_to_mesh
+from spmd.api import copy_to_mesh, relayout
 from spmd.collectives.local import one_copy, share, shared
 from spmd.dtensor import DTensor, keep_grad_layout
 from spmd.engine import optim
@@ -83,6 +83,16 @@ class DVariable(DTensor):
             raise TypeError(f"cannot {verb} a plain {type(value).__name__} of shape {list(np.shape(value))} to a "
                             "DVariable; only scalars are broadcast. Use spmd.copy_to_mesh(value, "
                             "spmd.fetch_layout(variable))")
+
+    def _data_value(self, value: DTensor) -> DTensor:
+        """`v.data = value` keeps the variable's layout: the value is relayouted to it."""
+        if value._layout.mesh != self._layout.mesh:
+            raise MeshMismatchError(f"cannot assign a value on mesh {value._layout.mesh!r} to the .data of a "
+                                    f"DVariable on {self._layout.mesh!r}; a DVariable's layout is fixed (move the "
+                                    "value with spmd.copy_to_mesh)")
+        if value._layout == self._layout:
+            return value
+        return relayout(value, Layout(self._layout.sharding_specs, self._layout.mesh)).detach()
 
     def assign(self, value) -> "DVariable":
         """Overwrites the value in place; the layout must stay the same."""

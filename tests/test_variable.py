@@ -5,6 +5,7 @@ import copy
 import numpy as np
 import pytest
 import torch
+import torch.nn.utils.prune
 
 import spmd
 from spmd import (
@@ -181,3 +182,29 @@ def test_leaf_gradient_has_the_leaf_layout(mesh22, specs, name, loss, plain_loss
     reference = value.clone().requires_grad_()
     plain_loss(reference).backward()
     assert torch.allclose(gather(leaf.grad), reference.grad)
+
+
+def test_assigning_data_rebinds_the_components():
+    """`p.data = value`, as torch's utilities rebind parameters: a DVariable takes the value in its own layout, a
+    DTensor the value's layout and shape; a plain tensor is refused."""
+    mesh = spmd.create_mesh([("batch", 2), ("model", 2)])
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 2)
+    dlin = spmd.distribute_module(copy.deepcopy(lin), mesh, {"weight": ["model", spmd.UNSHARDED]})
+    dlin.weight.data = spmd.copy_to_mesh(torch.ones(2, 4), spmd.Layout([spmd.UNSHARDED, "batch"], mesh))
+    assert isinstance(dlin.weight, spmd.DVariable) and dlin.weight.requires_grad
+    assert spmd.fetch_layout(dlin.weight).sharding_specs == ["model", spmd.UNSHARDED]
+    assert torch.equal(spmd.to_global(dlin.weight.detach()), torch.ones(2, 4))
+    vector = torch.nn.utils.parameters_to_vector(dlin.parameters())
+    torch.nn.utils.vector_to_parameters(vector * 3, dlin.parameters())
+    assert torch.equal(spmd.to_global(dlin.weight.detach()), torch.full((2, 4), 3.0))
+    torch.nn.utils.prune.l1_unstructured(lin, "weight", amount=0.5)
+    torch.nn.utils.prune.l1_unstructured(dlin, "weight", amount=0.5)
+    torch.nn.utils.prune.remove(dlin, "weight")  # rebinds the weight's .data to the pruned value
+    assert int((spmd.to_global(dlin.weight.detach()) == 0).sum()) == 4
+    t = spmd.copy_to_mesh(torch.zeros(4, 4), spmd.Layout(["batch", spmd.UNSHARDED], mesh))
+    t.data = spmd.copy_to_mesh(torch.ones(2, 4), spmd.Layout([spmd.UNSHARDED, "model"], mesh))
+    assert t.shape == (2, 4) and spmd.fetch_layout(t).sharding_specs == [spmd.UNSHARDED, "model"]
+    assert torch.equal(spmd.to_global(t), torch.ones(2, 4))
+    with pytest.raises(spmd.MixedTensorError, match="copy_to_mesh"):
+        t.data = torch.ones(2, 4)
