@@ -239,6 +239,7 @@ class _Saved:
         self.grads = list(zip(state.params, state.grads()))
         self.optimizer_states = [(o.state, {p: dict(s) for p, s in o.state.items()}) for o in state.optimizers]
         self.holders = [(holder, dict(holder)) for holder, _ in state.slots]
+        self.created_state = False  # whether the trace made optimizer state that restore() took away
 
     def restore(self) -> None:
         for t, attrs in self.attrs:
@@ -248,8 +249,10 @@ class _Saved:
             p.grad = g
         for states, before in self.optimizer_states:
             for p in [p for p in states if p not in before]:
+                self.created_state |= bool(states[p])  # (an empty entry holds nothing: SGD without momentum)
                 del states[p]
             for p, s in before.items():
+                self.created_state |= any(s.get(k) is None and v is not None for k, v in states[p].items())
                 states[p].clear()
                 states[p].update(s)
         for holder, before in self.holders:
@@ -265,6 +268,7 @@ class _Trace:
         self.state, self.state_key, self.compiled = state, state_key, compiled
         self.results_spec, self.results = outputs["results_spec"], outputs["results"]
         self.rebinds, self.grads = outputs["rebinds"], outputs["grads"]
+        self.created_state = outputs["created_state"]
 
     def run(self, leaves: list):
         state = self.state  # (the live state: possibly another `_State` of the same key as the traced one)
@@ -324,6 +328,8 @@ class WholeStep:
                               "learning-rate schedule give the optimizer a tensor lr (lr=torch.tensor(...)): it is "
                               "then an input of the graph", stacklevel=3)
             trace = self._trace(leaves, spec)
+            if trace.created_state:  # new parameters, momentum switched on: state made inside a trace would be made
+                return self._body(*args, **kwargs)  # afresh by every call; made eagerly once, the next call traces
             traces[trace.state_key] = trace
         self._traces[signature] = (trace.state, traces)
         return trace.run(leaves)
@@ -384,6 +390,7 @@ class WholeStep:
             where = _reading_line(e)
             raise self._error(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                               + (f" (at {where})" if where else "")) from e
+        outputs["created_state"] = saved.created_state
         if any(n.target is torch.ops.aten._local_scalar_dense.default for n in gm.graph.nodes):
             raise self._error("it reads a tensor's value in Python")
         written = _written_constants(gm)

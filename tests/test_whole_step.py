@@ -462,3 +462,41 @@ def test_autocast_inside_a_whole_step():
         torch.testing.assert_close(gather(whole(x, y)), gather(ref_step(x, y)), rtol=1e-6, atol=1e-7)
     assert all(p.dtype == torch.float32 for p in model.parameters())
     _assert_traced_once_and_equal(whole, model, ref_model)
+
+
+@pytest.mark.parametrize("change", ["add_param_group", "momentum_on", "state_cleared"])
+def test_optimizer_state_made_after_the_first_trace_persists(change):
+    """A retrace that would make optimizer state (a parameter group added, momentum switched on, the state
+    cleared) runs that call eagerly, so the state persists and later calls trace over it: as plain torch."""
+    mesh = spmd.create_mesh([("batch", 2), ("model", 2)])
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+    x = torch.randn(8, 8)
+    results = []
+    for distributed in (False, True):
+        model = copy.deepcopy(plain)
+        if distributed:
+            spmd.distribute_module(model, mesh)
+        first = model[0].parameters() if change == "add_param_group" else model.parameters()
+        opt = torch.optim.SGD(first, lr=0.1) if change == "momentum_on" else torch.optim.Adam(first, lr=0.01)
+
+        def step(x):
+            model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        run = spmd.function(step, whole_step=True, backend="aot_eager") if distributed else step
+        data = spmd.copy_to_mesh(x, Layout(["batch", U], mesh)) if distributed else x
+        for i in range(5):
+            if i == 2:
+                if change == "add_param_group":
+                    opt.add_param_group({"params": list(model[1].parameters())})
+                elif change == "momentum_on":
+                    opt.param_groups[0]["momentum"] = 0.9
+                else:
+                    opt.state.clear()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # (the retrace's warning)
+                run(data)
+        results.append([gather(p) if distributed else p.detach() for p in model.parameters()])
+    for got, want in zip(results[1], results[0]):
+        torch.testing.assert_close(got, want)
