@@ -219,15 +219,25 @@ def _tracing_updates(optimizers):
     groups = [g for o in optimizers for g in o.param_groups if "capturable" in g]
     before = [g["capturable"] for g in groups]
     flag = torch.compiler._is_compiling_flag
+    schedule = torch.optim.lr_scheduler.LRScheduler.step
     try:
         torch.compiler._is_compiling_flag = True
         for g in groups:
             g["capturable"] = True
+        torch.optim.lr_scheduler.LRScheduler.step = _scheduler_step_in_a_trace
         yield
     finally:
         torch.compiler._is_compiling_flag = flag
         for g, b in zip(groups, before):
             g["capturable"] = b
+        torch.optim.lr_scheduler.LRScheduler.step = schedule
+
+
+def _scheduler_step_in_a_trace(scheduler, *args, **kwargs):
+    raise TraceError(f"{type(scheduler).__name__}.step() inside a whole step: the step's Python runs once, when it "
+                     "is traced, so the schedule would never advance (the learning rate would stay the traced "
+                     "one). Call scheduler.step() after the step, outside the function (give the optimizer a tensor "
+                     "lr, which the scheduler fills in place: the graph reads it at every call)")
 
 
 class _Saved:

@@ -500,3 +500,24 @@ def test_optimizer_state_made_after_the_first_trace_persists(change):
         results.append([gather(p) if distributed else p.detach() for p in model.parameters()])
     for got, want in zip(results[1], results[0]):
         torch.testing.assert_close(got, want)
+
+
+def test_a_scheduler_stepped_inside_a_whole_step_is_a_trace_error():
+    """The step's Python runs once, when traced: a schedule stepped inside would never advance."""
+    mesh = spmd.create_mesh([("batch", 2)])
+    model = spmd.distribute_module(nn.Linear(4, 2), mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(0.01))
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: 1.0 / (epoch + 1))
+
+    @spmd.function(whole_step=True, backend="aot_eager")
+    def step(x):
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        schedule.step()
+    x = spmd.copy_to_mesh(torch.randn(4, 4), Layout(["batch", U], mesh))
+    step(x)  # (the first call runs eagerly)
+    with pytest.raises(TraceError, match=r"LambdaLR.step\(\) inside a whole step.*outside the function"):
+        step(x)
+    schedule.step()  # torch's own step again, outside a trace
+    assert schedule.last_epoch == 2
