@@ -4,6 +4,7 @@ all-reduce, or a reduce-scatter where the consumer wants the reduced mesh dim sh
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
@@ -147,6 +148,24 @@ def test_relayout_of_a_pending_sum_to_another_dims_sharding_reduces_only_the_blo
     (F.embedding(ids, plain) ** 2).sum().backward()
     torch.testing.assert_close(gather(table.grad), plain.grad)
     assert spmd.fetch_layout(table.grad) == Layout(["y", U], mesh22)
+
+
+def test_gradient_accumulation_reduces_each_gradient_once_per_micro_batch(mesh22):
+    """Accumulating into `.grad` overwrites nothing it needs: the views autograd left of the last micro-batch's
+    pending gradient are written back whole (copy_), so their own pending sums are never reduced."""
+    torch.manual_seed(0)
+    model = spmd.distribute_module(torch.nn.Linear(8, 16), mesh22)
+    plain = copy.deepcopy(torch.nn.Linear(8, 16))
+    plain.load_state_dict({k: gather(v.detach()) for k, v in model.state_dict().items()})
+    for _ in range(3):
+        x = torch.randn(8, 8)
+        with Recorder() as seen:
+            model(spmd.copy_to_mesh(x, Layout(["x", U], mesh22))).pow(2).mean().backward()
+        assert sorted((c.kind, c.mesh_dims, c.bytes) for c in seen.collectives if c.backward) == [
+            ("all_reduce", ("x",), 16 * 4), ("all_reduce", ("x",), 16 * 8 * 4)]  # bias, weight
+        plain(x).pow(2).mean().backward()
+    torch.testing.assert_close(gather(model.weight.grad), plain.weight.grad)
+    torch.testing.assert_close(gather(model.bias.grad), plain.bias.grad)
 
 
 def test_an_op_wanting_the_reduced_dim_sharded_gets_a_reduce_scatter(mesh22):

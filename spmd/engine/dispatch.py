@@ -32,6 +32,8 @@ from spmd.errors import MeshMismatchError, MixedTensorError, UnsupportedOpError
 from spmd.layout import Layout
 
 _DETACH = torch.ops.aten.detach.default
+_OVERWRITES = {torch.ops.aten.copy_.default, torch.ops.aten.fill_.Scalar, torch.ops.aten.fill_.Tensor,
+               torch.ops.aten.zero_.default}  # in-place ops writing their whole target
 _CACHE: dict = {}
 _CACHE_LIMIT = 100_000
 _STATS = {"misses": 0}
@@ -122,6 +124,9 @@ def torch_dispatch(cls, func, types, args=(), kwargs=None):
             return DTensor(t._stack.detach(), t._layout, t.shape,  # for spmd/buckets.py to reduce
                            pending=t._pending, pending_op=t._pending_op, strides=t.stride())
         # (else the general path: resolved once, into the tensor both share)
+    elif func in _OVERWRITES and isinstance(args[0], DTensor) and args[0]._pending and args[0]._bucket is None \
+            and _writes_back(args[0]):  # (a write that would be refused leaves the target as it is)
+        args[0]._settle(args[0]._stack)  # its values are overwritten whole: its pending sum is never needed
     tensors: list[DTensor] = []
     key = [id(func)]  # OpOverloads live as long as torch: their id is stable and cheaper than their hash
     blind = _FLOAT_BLIND.get(id(func))
