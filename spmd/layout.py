@@ -357,7 +357,9 @@ def on_sharded_behind_whole(callback) -> None:
 
 
 def _sharded_behind_whole(shards: tuple) -> bool:
-    return any(shards[i] > 1 and min(shards[:i]) == 1 for i in range(1, len(shards) - 1))
+    """Whether an axis other than the first and the last is sharded behind a whole one, or behind a sharded one
+    (two sharded axes fold into one block per device only where the first is one row per device)."""
+    return any(shards[i] > 1 for i in range(1, len(shards) - 1))
 
 
 def _sharded_behind_whole_seen() -> None:

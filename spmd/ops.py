@@ -4,6 +4,8 @@
 graph as an opaque op with a string argument (the layout in TF's format); AOTAutograd then dispatches it to the
 DTensor, whose rule (engine/rules/tensor_ops.py) plans the collectives. Its gradient is the relayout back.
 
+`spmd::batched_matmul(Tensor a, Tensor b)` is a batched matrix product that keeps its batch axes apart.
+
 `born_with_layout` does the same for the functions that make a DTensor from plain values and a `layout=` (the
 factories, `copy_to_mesh`): Dynamo cannot trace a DTensor's construction, so under `torch.compile` such a call
 enters the graph whole, as one node holding the layout's string, and AOTAutograd runs the function itself,
@@ -55,6 +57,32 @@ def _backward(ctx, grad):
 
 
 relayout_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+@torch.library.custom_op("spmd::batched_matmul", mutates_args=())
+def batched_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`a @ b` of two tensors of one batch shape `(*batch, m, k) @ (*batch, k, n)`, as one op: torch's `matmul`
+    folds the batch axes into one, which a DTensor whose batch axes are sharded over several mesh dims cannot hold
+    (engine/rules/sharded_folds.py); this op's rule keeps each batch axis as it is."""
+    return torch.matmul(a, b)
+
+
+@batched_matmul.register_fake
+def _(a, b):
+    return a.new_empty(a.shape[:-1] + b.shape[-1:])
+
+
+def _batched_matmul_backward(ctx, grad):
+    a, b = ctx.saved_tensors
+    return (batched_matmul(grad, b.mT) if ctx.needs_input_grad[0] else None,
+            batched_matmul(a.mT, grad) if ctx.needs_input_grad[1] else None)
+
+
+def _save_operands(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+batched_matmul.register_autograd(_batched_matmul_backward, setup_context=_save_operands)
 
 
 _BORN_WITH_LAYOUT: dict[str, Callable] = {}  # "module.qualname" -> a function decorated with born_with_layout

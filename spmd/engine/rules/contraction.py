@@ -191,6 +191,13 @@ def bmm_rule(call: OpCall) -> Decision:
     return _contraction(call, "bmk,bkn->bmn", torch.matmul)
 
 
+@register(torch.ops.spmd.batched_matmul.default, blockwise=True)
+def batched_matmul_rule(call: OpCall) -> Decision:
+    """`bmm` over any number of batch axes, each keeping its own sharding (see spmd/ops.py)."""
+    batch = _LETTERS[:call.specs[0].rank - 2]  # (and x, y, z for the matrix axes; a mesh's dims are upper case)
+    return _contraction(call, f"{batch}xy,{batch}yz->{batch}xz", torch.matmul)
+
+
 @register(aten.mv.default, blockwise=True)
 def mv_rule(call: OpCall) -> Decision:
     return _contraction(call, "mk,k->m", lambda m, v: torch.matmul(m, v.unsqueeze(-1)).squeeze(-1))

@@ -15,11 +15,14 @@ are registered once a layout that needs them exists, since they cost every call.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from spmd.dtensor import DTensor
 from spmd.engine.rules.host_values import below, register_above_autograd
 from spmd.layout import on_sharded_behind_whole
+from spmd.ops import batched_matmul
 
 aten = torch.ops.aten
 
@@ -61,6 +64,8 @@ def _matmul(keyset, a, b):
             out = aten.matmul.default(a.permute(order + [a.dim() - 1]), b)
             return out.permute(_inverse(order) + list(range(len(order), out.dim()))).contiguous()
     elif a.dim() >= 3 and b.dim() >= 3:  # batched: the broadcast batch axes fold into one
+        if a.shape[:-2] == b.shape[:-2] and _several_sharded(a, b):  # no fold can keep them: one op over them all
+            return batched_matmul(a, b)
         rank = max(a.dim(), b.dim())
         order = _sharded_first([_sharded(a, i + a.dim() - rank) or _sharded(b, i + b.dim() - rank)
                                 for i in range(rank - 2)])
@@ -72,13 +77,51 @@ def _matmul(keyset, a, b):
     return aten.matmul.default.redispatch(below(keyset), a, b)
 
 
+def _several_sharded(a, b) -> bool:
+    """Whether more than one batch axis of `a` or `b` (of one batch shape) is sharded."""
+    return sum(_sharded(a, i) or _sharded(b, i) for i in range(a.dim() - 2)) > 1
+
+
 def _einsum(keyset, equation, tensors, *, path=None):
+    pair = _sharded_batch_pair(equation, tensors)
+    if pair is not None:
+        return _einsum_as_batched_matmul(*pair, *tensors)
     output_order = _einsum_output_order(equation, tensors)
     if output_order is None:
         return aten.einsum.default.redispatch(below(keyset), equation, tensors, path=path)
     inputs, output = equation.replace(" ", "").split("->")
     out = aten.einsum.default(f"{inputs}->{''.join(output[i] for i in output_order)}", tensors, path=path)
     return out.permute(_inverse(output_order)).contiguous()
+
+
+def _sharded_batch_pair(equation: str, tensors):
+    """(a's labels, b's labels, the output's) of a two-operand einsum whose batch labels (in both operands and the
+    output) are sharded more than once, which no fold keeps; None for any other einsum (or one with an ellipsis, an
+    implicit output, a label repeated in a term, or a label summed within one operand)."""
+    if len(tensors) != 2 or "->" not in equation or "." in equation:
+        return None
+    (a, b), out = equation.replace(" ", "").split("->")[0].split(","), equation.replace(" ", "").split("->")[1]
+    if any(len(set(t)) != len(t) for t in (a, b, out)) or any(l not in b and l not in out for l in a) or \
+            any(l not in a and l not in out for l in b):
+        return None
+    batch = [l for l in out if l in a and l in b]
+    sharded = sum(_sharded(tensors[0], a.index(l)) or _sharded(tensors[1], b.index(l)) for l in batch)
+    return (a, b, out) if sharded > 1 else None
+
+
+def _einsum_as_batched_matmul(a: str, b: str, out: str, x, y):
+    """The einsum as one `spmd::batched_matmul` over its batch labels: each operand's own labels and the contracted
+    ones are folded into one matrix axis each (whole axes, in the usual case of sharded batch labels)."""
+    batch = [l for l in out if l in a and l in b]
+    rows, cols, summed = [l for l in out if l not in b], [l for l in out if l not in a], [l for l in a if l not in out]
+    sizes = {**dict(zip(a, x.shape)), **dict(zip(b, y.shape))}
+    lead = [sizes[l] for l in batch]
+    left = x.permute([a.index(l) for l in batch + rows + summed]).reshape(
+        lead + [math.prod(sizes[l] for l in rows), math.prod(sizes[l] for l in summed)])
+    right = y.permute([b.index(l) for l in batch + summed + cols]).reshape(
+        lead + [math.prod(sizes[l] for l in summed), math.prod(sizes[l] for l in cols)])
+    product = batched_matmul(left, right).reshape(lead + [sizes[l] for l in rows + cols])
+    return product.permute([(batch + rows + cols).index(l) for l in out])  # (strides as torch's einsum gives)
 
 
 def _einsum_output_order(equation: str, tensors) -> list[int] | None:
