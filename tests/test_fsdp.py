@@ -225,3 +225,32 @@ def test_clients_train_as_one_process(clients, per_client, dims):
         assert single["dp"][3] == 0  # one process: nothing to prefetch
         if per_client == 1 and dims[1] == 1:  # one member per client: from the 2nd step (the 1st learns the order)
             assert r["dp"][3] == 4 * 2, r["dp"][3]  # the 2nd and 3rd layers' 2 parameters each
+
+
+def test_an_optimizer_state_loaded_from_a_replicated_run_is_sharded_like_the_parameters():
+    """Resuming a sharded-parameter run from a replicated run's optimizer state: each state tensor takes its
+    parameter's layout (its memory sharded too), and training goes on as the replicated run does."""
+    mesh = spmd.create_mesh([("batch", 2), ("model", 2)])
+    x = spmd.copy_to_mesh(torch.randn(8, 8), Layout(["batch", U], mesh))
+
+    def build(**kwargs):
+        torch.manual_seed(0)
+        model = spmd.distribute_module(nn.Linear(8, 4), mesh, **kwargs)
+        return model, torch.optim.Adam(model.parameters(), lr=0.1)
+
+    def step(model, opt):
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    replicated, replicated_opt = build()
+    step(replicated, replicated_opt)
+    sharded, sharded_opt = build(shard_parameters="batch")
+    sharded.load_state_dict(replicated.state_dict())
+    sharded_opt.load_state_dict(copy.deepcopy(replicated_opt.state_dict()))  # (torch shares the tensors)
+    for p in sharded.parameters():
+        for name in ("exp_avg", "exp_avg_sq"):
+            assert spmd.fetch_layout(sharded_opt.state[p][name]) == spmd.fetch_layout(p)
+    step(replicated, replicated_opt)
+    step(sharded, sharded_opt)
+    for got, want in zip(sharded.parameters(), replicated.parameters()):
+        torch.testing.assert_close(spmd.to_global(got.detach()), spmd.to_global(want.detach()))

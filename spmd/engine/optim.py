@@ -32,6 +32,7 @@ from spmd.collectives.local import shared
 from spmd.dtensor import DTensor
 from spmd.engine.dispatch import distributed
 from spmd.engine.foreach import once_where_shared, same_keys
+from spmd.ops import relayout_op
 
 _KEY, _STACK, _PENDING, _COPIED_VIEW = map(operator.attrgetter, ("_key", "_stack", "_pending", "_copied_view"))
 _GROUP = optimizer.Optimizer._group_tensors_by_device_and_dtype  # torch's own grouping
@@ -64,11 +65,16 @@ _PROCESS = optimizer.Optimizer._process_value_according_to_param_policy  # torch
 
 
 def _laid_out_like_the_parameter(param, value, *args, **kwargs):
-    """`Optimizer.load_state_dict` of a plain state (a single-device checkpoint) for a DTensor parameter: each state
-    tensor shaped like the parameter is laid out like it, as torch moves it to the parameter's device and dtype."""
+    """`Optimizer.load_state_dict` for a DTensor parameter: each state tensor shaped like the parameter is laid out
+    like it, as torch moves it to the parameter's device and dtype — a plain one (a single-device checkpoint) is
+    distributed, a DTensor of another layout (an optimizer of a model laid out otherwise) relayouted on its mesh."""
     value = _PROCESS(param, value, *args, **kwargs)
-    if isinstance(param, DTensor) and type(value) is torch.Tensor and value.shape == param.shape:
+    if not isinstance(param, DTensor) or not isinstance(value, torch.Tensor) or value.shape != param.shape:
+        return value
+    if type(value) is torch.Tensor:
         return distributed(value, param._layout)
+    if isinstance(value, DTensor) and value._layout != param._layout and value._layout.mesh == param._layout.mesh:
+        return relayout_op(value, param._layout.to_string())
     return value
 
 
