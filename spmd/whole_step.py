@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import operator
+import types
 import traceback
 import warnings
 from typing import Any, Callable
@@ -71,12 +72,23 @@ def _roots(fn, args, kwargs) -> tuple[list[nn.Module], list[torch.optim.Optimize
         elif hasattr(obj, "__code__") and depth:  # a function
             visit([c.cell_contents for c in obj.__closure__ or () if _filled(c)], depth - 1)
             visit([obj.__globals__[n] for n in obj.__code__.co_names if n in obj.__globals__], depth - 1)
+            visit([obj.__defaults__ or (), obj.__kwdefaults__ or {}], depth - 1)
+        elif depth and _plain_object(obj):  # a user's object holding them (a trainer's `self.model`)
+            visit(vars(obj), depth - 1)
 
     visit((args, kwargs), 3)
-    visit(fn, 3)
+    visit(fn, 4)  # (a function, its globals, a trainer object among them, its attributes)
     found = list(seen.values())
     return ([m for m in found if isinstance(m, nn.Module)], [o for o in found if isinstance(o, torch.optim.Optimizer)],
             [t for t in found if isinstance(t, DTensor)])
+
+
+def _plain_object(obj) -> bool:
+    """An instance of a user's class (or a SimpleNamespace): not a module of code, a class, a callable or one of
+    the builtins' and torch's own objects, whose attributes would be a walk through libraries."""
+    module = type(obj).__module__
+    return (isinstance(getattr(obj, "__dict__", None), dict) and not isinstance(obj, (types.ModuleType, type))
+            and not callable(obj) and not module.startswith(("torch", "builtins", "spmd")))
 
 
 def _filled(cell) -> bool:

@@ -521,3 +521,46 @@ def test_a_scheduler_stepped_inside_a_whole_step_is_a_trace_error():
         step(x)
     schedule.step()  # torch's own step again, outside a trace
     assert schedule.last_epoch == 2
+
+
+def test_a_step_reaching_its_model_through_an_object_or_a_default_argument():
+    """A trainer object's `self.model`/`self.opt` named by the step, or the model and optimizer as default
+    arguments: the whole step finds them and trains as eager."""
+    mesh = spmd.create_mesh([("batch", 2)])
+    torch.manual_seed(0)
+    base = nn.Linear(8, 4)
+    x = torch.randn(8, 8)
+    plain = copy.deepcopy(base)
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
+
+    class Trainer:
+        pass
+    trainer = Trainer()
+    trainer.model = spmd.distribute_module(copy.deepcopy(base), mesh)
+    trainer.opt = torch.optim.SGD(trainer.model.parameters(), lr=0.1, momentum=0.9)
+    model = spmd.distribute_module(copy.deepcopy(base), mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    def by_attribute(x):
+        loss = trainer.model(x).pow(2).mean()
+        loss.backward()
+        trainer.opt.step()
+        trainer.opt.zero_grad()
+        return loss
+
+    def by_default(x, model=model, opt=opt):
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+    steps = [spmd.function(f, whole_step=True, backend="aot_eager") for f in (by_attribute, by_default)]
+    data = spmd.copy_to_mesh(x, Layout(["batch", U], mesh))
+    for _ in range(4):
+        want = plain(x).pow(2).mean()
+        want.backward()
+        plain_opt.step()
+        plain_opt.zero_grad()
+        for step in steps:
+            torch.testing.assert_close(gather(step(data)), want.detach())
+    assert all(step.experimental_get_tracing_count() == 1 for step in steps)
