@@ -17,7 +17,7 @@ from spmd.collectives import Collective, Kind
 from spmd.engine import planner, registry
 from spmd.engine.decision import Decision, OpCall, TensorSpec
 from spmd.explain import Recorder
-from sweep import components, gather
+from sweep import check_op, components, gather
 
 U = UNSHARDED
 aten = torch.ops.aten
@@ -303,3 +303,28 @@ def test_a_detached_pending_tensor_is_reduced_once(mesh22, monkeypatch):
     d + 1, y + 1
     assert executed == [Kind.ALL_REDUCE]
     torch.testing.assert_close(gather(d), vx @ vw)
+
+
+TWO_STEP_REDUCTIONS = {  # op -> (the all-reduces over a sharded reduced axis)
+    "logsumexp": (lambda x: torch.logsumexp(x, 1), ["max", "sum"]),
+    "var": (lambda x: x.var(1), ["sum", "sum"]),
+    "std keepdim, no correction": (lambda x: x.std(1, correction=0, keepdim=True), ["sum", "sum"]),
+    "var_mean": (lambda x: torch.var_mean(x, (0, 1)), ["sum", "sum"]),
+    "std_mean": (lambda x: torch.std_mean(x, 1), ["sum", "sum"]),
+    "any": (lambda x: (x > 0.5).any(1), ["max"]),
+    "all": (lambda x: x.isfinite().all(), ["min"]),
+}
+
+
+@pytest.mark.parametrize("name", TWO_STEP_REDUCTIONS)
+def test_reductions_in_two_steps_all_reduce_partial_results(name, mesh22):
+    """logsumexp, var/std (and with the mean), any/all over a sharded axis: each device's partial result, all-reduced
+    (no gather of the tensor); values in every layout as torch's."""
+    fn, ops = TWO_STEP_REDUCTIONS[name]
+    value = torch.randn(4, 8, dtype=torch.float64)
+    value[1, 2] = float("-inf") if name == "logsumexp" else value[1, 2]
+    assert check_op(fn, [value], mesh=mesh22) > 1
+    x = spmd.copy_to_mesh(value, Layout([U, ("x", "y")], mesh22))
+    with Recorder() as seen:
+        fn(x)
+    assert [(c.kind, c.mesh_dims) for c in seen.collectives] == [("all_reduce", ("x", "y"))] * len(ops)

@@ -2,7 +2,8 @@
 
 Why the rules hold: with even shards, sum/max/min of the per-shard results is the global sum/max/min, and the
 mean of equal-sized shard means is the global mean, so a sharded reduced axis costs one all-reduce over its
-mesh dim. Reductions that do not decompose that way (var, argmax, prod, ...) first gather the reduced axes.
+mesh dim; any/all, logsumexp and the variance take two steps of that kind (their partial results all-reduced).
+Reductions that do not decompose that way (argmax, prod, median, ...) first gather the reduced axes.
 A histogram over a given range is a sum (of the shards' histograms); a segment reduction reduces along one axis
 only, so the axes after it keep their sharding.
 Output layout (TF): the input layout without the reduced axes (kept as unsharded with keepdim).
@@ -10,6 +11,7 @@ Output layout (TF): the input layout without the reduced axes (kept as unsharded
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import torch
@@ -118,11 +120,89 @@ register(aten.nansum.default, aten.count_nonzero.default, aten.count_nonzero.dim
 register(aten.mean.dim, aten.mean.default, blockwise=True)(lambda call: reduce_rule(call, "avg"))
 register(aten.amax.default, aten.max.default, blockwise=True)(lambda call: reduce_rule(call, "max"))
 register(aten.amin.default, aten.min.default, blockwise=True)(lambda call: reduce_rule(call, "min"))
-register(aten.var.correction, aten.std.correction, aten.var_mean.correction, aten.std_mean.correction,
-         aten.max.dim, aten.min.dim, aten.argmax.default, aten.argmin.default, aten.prod.dim_int,
-         aten.prod.default, aten.any.dim, aten.all.dim, aten.any.default, aten.all.default, aten.logsumexp.default,
-         aten.median.dim, aten.mode.default, aten.kthvalue.default, aten.nanmedian.dim, aten.median.default,
-         aten.nanmedian.default, aten.hash_tensor.default)(lambda call: reduce_rule(call, "gather"))
+register(aten.max.dim, aten.min.dim, aten.argmax.default, aten.argmin.default, aten.prod.dim_int,
+         aten.prod.default, aten.median.dim, aten.mode.default, aten.kthvalue.default, aten.nanmedian.dim,
+         aten.median.default, aten.nanmedian.default, aten.hash_tensor.default)(
+    lambda call: reduce_rule(call, "gather"))
+
+
+# -- reductions in two steps: local partial results, all-reduced -----------------------------------------------------
+def _reduced_dims(call: OpCall, decision: Decision) -> tuple:
+    """The mesh dims (of more than one device) that shard the axes `decision` reduces."""
+    return tuple(m for m in (decision.reduce[0] if decision.reduce else ()) if call.mesh.dim_size(m) > 1)
+
+
+def _local_dims(call: OpCall) -> tuple:
+    """The reduced axes of the stacked components (past the stack axis)."""
+    return tuple(d + 1 for d in norm_dims(arg(call, "dim"), call.specs[0].rank))
+
+
+_ANY = (aten.any.dim, aten.any.default)
+
+
+@register(*_ANY, aten.all.dim, aten.all.default, blockwise=True)
+def any_all_rule(call: OpCall) -> Decision:
+    """any (all): each device's own, then an all-reduce max (min) over the reduced axes' mesh dims."""
+    decision = reduce_rule(call, "max")
+    reduced = _reduced_dims(call, decision)
+    if not reduced:
+        return replace(decision, reduce=())
+    local = decision.kernel
+
+    def kernel(locals_, args, kwargs, run):
+        out = local(locals_, args, kwargs)  # (bool, or uint8 for a uint8 input, as torch's)
+        return run(0, out.to(torch.uint8)).to(out.dtype)
+    op = "max" if call.func in _ANY else "min"
+    return replace(decision, kernel=kernel, reduce=(), collectives=(Collective(Kind.ALL_REDUCE, reduced, op=op),))
+
+
+@register(aten.logsumexp.default, blockwise=True)
+def logsumexp_rule(call: OpCall) -> Decision:
+    """log Σ exp x = m + log Σ exp(x − m), m the global max (taken as 0 where infinite, as torch does): an
+    all-reduce max, then an all-reduce sum of each device's Σ exp(x − m)."""
+    decision = reduce_rule(call, "max")
+    reduced = _reduced_dims(call, decision)
+    if not reduced or not call.specs[0].dtype.is_floating_point:
+        return reduce_rule(call, "gather")
+    dims, keepdim = _local_dims(call), bool(arg(call, "keepdim", False))
+
+    def kernel(locals_, args, kwargs, run):
+        x = locals_[0]
+        top = run(0, x.amax(dims, keepdim=True))
+        top = top.masked_fill(top.abs() == float("inf"), 0)
+        out = run(1, (x - top).exp().sum(dims, keepdim=True)).log().add_(top)
+        return out if keepdim else out.squeeze(dims)
+    return replace(decision, kernel=kernel, reduce=(), collectives=(
+        Collective(Kind.ALL_REDUCE, reduced, op="max"), Collective(Kind.ALL_REDUCE, reduced, op="sum")))
+
+
+_WITH_MEAN = (aten.var_mean.correction, aten.std_mean.correction)
+_STD = (aten.std.correction, aten.std_mean.correction)
+
+
+@register(aten.var.correction, aten.std.correction, *_WITH_MEAN, blockwise=True)
+def variance_rule(call: OpCall) -> Decision:
+    """Variance in two passes: the mean (an all-reduce of the sums), then an all-reduce of the sums of squared
+    deviations from it, divided by max(N − correction, 0) as torch divides; std its square root."""
+    decision = reduce_rule(call, "sum")
+    reduced = _reduced_dims(call, decision)
+    spec = call.specs[0]
+    if not reduced or not spec.dtype.is_floating_point:
+        return reduce_rule(call, "gather")
+    dims, keepdim = _local_dims(call), bool(arg(call, "keepdim", False))
+    count = math.prod(spec.shape[d - 1] for d in dims)
+    correction = arg(call, "correction")
+    divisor = max(count - (1 if correction is None else correction), 0)
+
+    def kernel(locals_, args, kwargs, run):
+        x = locals_[0]
+        mean = run(0, x.sum(dims, keepdim=True)) / count
+        var = run(1, (x - mean).square().sum(dims, keepdim=True)) / divisor
+        out = var.sqrt() if call.func in _STD else var
+        out, mean = (out, mean) if keepdim else (out.squeeze(dims), mean.squeeze(dims))
+        return (out, mean) if call.func in _WITH_MEAN else out
+    return replace(decision, kernel=kernel, reduce=(), collectives=(
+        Collective(Kind.ALL_REDUCE, reduced, op="sum"), Collective(Kind.ALL_REDUCE, reduced, op="sum")))
 
 
 @register(aten.aminmax.default)
