@@ -328,3 +328,21 @@ def test_reductions_in_two_steps_all_reduce_partial_results(name, mesh22):
     with Recorder() as seen:
         fn(x)
     assert [(c.kind, c.mesh_dims) for c in seen.collectives] == [("all_reduce", ("x", "y"))] * len(ops)
+
+
+@pytest.mark.parametrize("fn", [lambda x: torch.argmax(x, 1), lambda x: torch.argmin(x, -1, keepdim=True),
+                                lambda x: torch.max(x, 1), lambda x: torch.min(x, 1, keepdim=True)],
+                         ids=["argmax", "argmin keepdim", "max.dim", "min.dim keepdim"])
+def test_argmax_over_a_sharded_axis_gathers_one_value_per_device(fn, mesh22):
+    """Each device's extreme and its global index, all-gathered (one of each per device and row): the first index
+    of the whole axis on a tie and NaN propagating, as torch's."""
+    value = torch.tensor([[1.0, 3, 3, 0, 3, 1, 0, 3], [0, 1, 2, 3, 4, 5, 6, 7], [7, 6, 5, 4, 3, 2, 1, 0],
+                          [2, 2, 2, 2, 2, 2, 2, 2]], dtype=torch.float64)
+    assert check_op(fn, [value], mesh=mesh22) > 1
+    with_nan = value.clone()
+    with_nan[1, 5] = with_nan[2, 6] = float("nan")
+    assert check_op(fn, [with_nan], mesh=mesh22, grad=False) > 1
+    x = spmd.copy_to_mesh(value, Layout([U, "y"], mesh22))
+    with Recorder() as seen:
+        fn(x)
+    assert [(c.kind, c.mesh_dims, c.bytes) for c in seen.collectives] == [("all_gather", ("y",), 4 * 8)] * 2

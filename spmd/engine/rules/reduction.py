@@ -2,8 +2,9 @@
 
 Why the rules hold: with even shards, sum/max/min of the per-shard results is the global sum/max/min, and the
 mean of equal-sized shard means is the global mean, so a sharded reduced axis costs one all-reduce over its
-mesh dim; any/all, logsumexp and the variance take two steps of that kind (their partial results all-reduced).
-Reductions that do not decompose that way (argmax, prod, median, ...) first gather the reduced axes.
+mesh dim; any/all, logsumexp and the variance take two steps of that kind (their partial results all-reduced), and
+argmax/argmin (max/min with indices) gather each device's extreme and its index. Reductions that do not decompose
+that way (prod, median, ...) first gather the reduced axes.
 A histogram over a given range is a sum (of the shards' histograms); a segment reduction reduces along one axis
 only, so the axes after it keep their sharding.
 Output layout (TF): the input layout without the reduced axes (kept as unsharded with keepdim).
@@ -19,8 +20,8 @@ import torch
 from spmd.collectives import Collective, Kind
 from spmd.engine.registry import register
 from spmd.engine.decision import Decision, OpCall
-from spmd.engine.rules.common import (broadcast_view, generic_kernel, norm_dims, raise_if_kernel_refuses, shard_starts,
-                                      zero_d_as_one_element)
+from spmd.engine.rules.common import (broadcast_view, generic_kernel, norm_dim, norm_dims, raise_if_kernel_refuses,
+                                      shard_starts, zero_d_as_one_element)
 from spmd.engine.rules.pointwise import aligned_inputs, broadcast_shape, merge_axes
 
 aten = torch.ops.aten
@@ -120,8 +121,7 @@ register(aten.nansum.default, aten.count_nonzero.default, aten.count_nonzero.dim
 register(aten.mean.dim, aten.mean.default, blockwise=True)(lambda call: reduce_rule(call, "avg"))
 register(aten.amax.default, aten.max.default, blockwise=True)(lambda call: reduce_rule(call, "max"))
 register(aten.amin.default, aten.min.default, blockwise=True)(lambda call: reduce_rule(call, "min"))
-register(aten.max.dim, aten.min.dim, aten.argmax.default, aten.argmin.default, aten.prod.dim_int,
-         aten.prod.default, aten.median.dim, aten.mode.default, aten.kthvalue.default, aten.nanmedian.dim,
+register(aten.prod.dim_int, aten.prod.default, aten.median.dim, aten.mode.default, aten.kthvalue.default, aten.nanmedian.dim,
          aten.median.default, aten.nanmedian.default, aten.hash_tensor.default)(
     lambda call: reduce_rule(call, "gather"))
 
@@ -355,3 +355,34 @@ def segment_reduce_rule(call: OpCall) -> Decision:
     inputs = tuple((None,) * s.rank if id(s) in segments else axes for s in call.specs)
     kernel = generic_kernel(call.func, kwarg_overrides={"axis": axis + 1})
     return Decision(inputs, (axes,), kernel)
+
+
+_ARG = {aten.max.dim: "max", aten.min.dim: "min", aten.argmax.default: "max", aten.argmin.default: "min"}
+
+
+@register(*_ARG)
+def arg_extreme_rule(call: OpCall) -> Decision:
+    """max/min along a dim with its index, argmax/argmin, over a sharded axis: each device's extreme and its
+    global index (its block's first index added), all-gathered along the axis (one small value per device), then
+    the extreme of those — the first device's on a tie, so the first index of the whole axis, as torch's."""
+    spec = call.specs[0]
+    dim = arg(call, "dim")
+    mesh_dim = None if dim is None or spec.rank == 0 else spec.axes[norm_dim(dim, spec.rank)]
+    if mesh_dim is None or call.mesh.dim_size(mesh_dim) == 1:
+        return reduce_rule(call, "gather")
+    axis, keepdim = norm_dim(dim, spec.rank), bool(arg(call, "keepdim", False))
+    decision = reduce_rule(call, "max", dims=(axis,))
+    block = spec.shape[axis] // call.shards(mesh_dim)
+    starts = shard_starts(call, mesh_dim, block, spec.rank)
+    pick = torch.max if _ARG[call.func] == "max" else torch.min
+    values_too = call.func in (aten.max.dim, aten.min.dim)
+
+    def kernel(locals_, args, kwargs, run):
+        values, indices = pick(locals_[0], axis + 1, keepdim=True)
+        values, indices = run(0, values), run(1, indices + starts(indices))
+        best, where = pick(values, axis + 1, keepdim=True)
+        index = indices.gather(axis + 1, where)
+        best, index = (best, index) if keepdim else (best.squeeze(axis + 1), index.squeeze(axis + 1))
+        return (best, index) if values_too else index
+    gather = Collective(Kind.ALL_GATHER, (mesh_dim,), axis)
+    return replace(decision, kernel=kernel, reduce=(), collectives=(gather, gather), fixed=(mesh_dim,))
