@@ -187,3 +187,15 @@ def test_a_cnn_training_step_compiles_and_matches_torch():
     torch.testing.assert_close(spmd.to_global(net[1].running_var), reference[1].running_var)
     torch.testing.assert_close(spmd.to_global(net[4].weight), reference[4].weight.detach())
     assert step.experimental_get_tracing_count() == 1
+
+
+@pytest.mark.parametrize("pad", [(1, 1), (2, 0, 1, 3), (-1, 2, 1, 0)])
+def test_circular_padding_keeps_the_batch_sharded(pad):
+    """F.pad(mode="circular") (and a convolution's padding_mode="circular"): torch writes into a fresh tensor of
+    its own, which would be replicated; spmd pads by concatenating wrapped-around slices — every layout's values as
+    torch's, and a batch-sharded input stays sharded with no collective."""
+    shape = (4, 2, 4, 4)[: 2 + len(pad) // 2]
+    assert check_op(lambda x: F.pad(x, pad, mode="circular"), [rand(*shape)], sample=20) > 1
+    x = spmd.copy_to_mesh(rand(*shape), Layout(["x"] + [U] * (len(shape) - 1), MESH))
+    out, collectives = issued(lambda: F.pad(x, pad, mode="circular"))
+    assert collectives == [] and spmd.fetch_layout(out).sharding_specs[0] == "x"

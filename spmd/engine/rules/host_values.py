@@ -1,5 +1,6 @@
-"""Composite ops whose torch implementation reads tensor values on the host or makes its result from scratch, and
-torch's question whether a tensor can become a nested tensor.
+"""Composite ops whose torch implementation reads tensor values on the host or makes its result from scratch
+(circular padding writes into a fresh tensor of its own), and torch's question whether a tensor can become a nested
+tensor.
 
 Why not a rule: the composite ops are CompositeImplicitAutograd, so torch decomposes them in C++ at the autograd
 key, before `__torch_dispatch__` could see them; the question returns a bool, which a rule cannot. `tensor_split`
@@ -71,3 +72,23 @@ def _never_nested(keyset, t, mask):
 
 
 register_above_autograd(aten._nested_tensor_from_mask_left_aligned.default, _never_nested)
+
+
+def _pad_circular(keyset, x, pad):
+    # torch writes the padded tensor into a `new_empty` of its own, which a DTensor can only lay out replicated
+    # (the batch would be gathered into it): a DTensor is padded by concatenating its wrapped-around slices
+    # instead, each axis as it is laid out (an axis padded circularly is whole, as a window crossing it needs)
+    if not isinstance(x, DTensor):
+        return aten._pad_circular.default.redispatch(below(keyset), x, pad)
+    aten._pad_circular.default(torch.empty(x.shape, dtype=x.dtype, device="meta"), pad)  # torch's own checks
+    for i in range(len(pad) // 2):
+        dim, before, after = x.dim() - 1 - i, pad[2 * i], pad[2 * i + 1]
+        size = x.shape[dim]
+        x = x.narrow(dim, max(-before, 0), size - max(-before, 0) - max(-after, 0))  # (negative pads crop)
+        parts = ([x.narrow(dim, x.shape[dim] - before, before)] if before > 0 else []) + [x] + (
+            [x.narrow(dim, 0, after)] if after > 0 else [])
+        x = torch.cat(parts, dim) if len(parts) > 1 else x.contiguous()
+    return x
+
+
+register_above_autograd(aten._pad_circular.default, _pad_circular)
