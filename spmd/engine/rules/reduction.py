@@ -121,8 +121,8 @@ register(aten.nansum.default, aten.count_nonzero.default, aten.count_nonzero.dim
 register(aten.mean.dim, aten.mean.default, blockwise=True)(lambda call: reduce_rule(call, "avg"))
 register(aten.amax.default, aten.max.default, blockwise=True)(lambda call: reduce_rule(call, "max"))
 register(aten.amin.default, aten.min.default, blockwise=True)(lambda call: reduce_rule(call, "min"))
-register(aten.prod.dim_int, aten.prod.default, aten.median.dim, aten.mode.default, aten.kthvalue.default, aten.nanmedian.dim,
-         aten.median.default, aten.nanmedian.default, aten.hash_tensor.default)(
+register(aten.prod.dim_int, aten.prod.default, aten.median.dim, aten.mode.default, aten.kthvalue.default,
+         aten.nanmedian.dim, aten.median.default, aten.nanmedian.default, aten.hash_tensor.default)(
     lambda call: reduce_rule(call, "gather"))
 
 
