@@ -71,8 +71,8 @@ class Layout:
         self._shards = tuple(_shards(a, mesh) for a in axes)
         self._string = "sharding_specs:" + "".join(s + "," for s in specs) + " mesh:" + mesh.to_string()
         self._hash = None  # hashed when first asked: Dynamo of torch 2.11 cannot trace `hash` (a Layout in a trace)
-        if _ON_SHARDED_BEHIND_WHOLE and _sharded_behind_whole(self._shards):
-            _sharded_behind_whole_seen()
+        if _ON_INNER_AXIS_SHARDED and _shards_an_inner_axis(self._shards):
+            _inner_axis_sharded_seen()
 
     # -- constructors --------------------------------------------------------------------------------------------
     @classmethod
@@ -346,27 +346,27 @@ class Layout:
         return self
 
 
-_ON_SHARDED_BEHIND_WHOLE: list = []  # callbacks waiting for the first such layout (see `on_sharded_behind_whole`)
+_ON_INNER_AXIS_SHARDED: list = []  # callbacks waiting for the first such layout (see `on_inner_axis_sharded`)
 
 
-def on_sharded_behind_whole(callback) -> None:
-    """Calls `callback()` once, when a layout first shards an axis that follows a whole one and is not the last
-    (`[S, B, E]` with B sharded): the rule engine's handling of such layouts costs every op that could meet one, so
-    it is switched on only when one exists (engine/rules/sharded_folds.py)."""
-    _ON_SHARDED_BEHIND_WHOLE.append(callback)
+def on_inner_axis_sharded(callback) -> None:
+    """Calls `callback()` once, when a layout first shards an inner axis (neither the first nor the last: `[S, B, E]`
+    with B sharded): the rule engine's handling of such layouts costs every op that could meet one, so it is
+    switched on only when one exists (engine/rules/sharded_folds.py)."""
+    _ON_INNER_AXIS_SHARDED.append(callback)
 
 
-def _sharded_behind_whole(shards: tuple) -> bool:
-    """Whether an axis other than the first and the last is sharded behind a whole one, or behind a sharded one
+def _shards_an_inner_axis(shards: tuple) -> bool:
+    """Whether an axis other than the first and the last is sharded: behind a whole one, or behind a sharded one
     (two sharded axes fold into one block per device only where the first is one row per device)."""
     return any(shards[i] > 1 for i in range(1, len(shards) - 1))
 
 
-def _sharded_behind_whole_seen() -> None:
+def _inner_axis_sharded_seen() -> None:
     if torch.compiler.is_compiling():  # (a trace cannot register kernels: the next eager layout does)
         return
-    while _ON_SHARDED_BEHIND_WHOLE:
-        _ON_SHARDED_BEHIND_WHOLE.pop()()
+    while _ON_INNER_AXIS_SHARDED:
+        _ON_INNER_AXIS_SHARDED.pop()()
 
 
 def _shards(axis, mesh: Mesh) -> int:

@@ -386,6 +386,7 @@ def _with_initial_state(rnn: nn.Module, args, kwargs) -> tuple:
     (in-place, into the state's layout) would gather the batch-sharded input's gates."""
     if not args or not isinstance(args[0], DTensor) or len(args) > 1 or kwargs.get("hx") is not None:
         return args, kwargs
+    kwargs = {k: v for k, v in kwargs.items() if k != "hx"}  # (`hx=None`: the state given below)
     x = args[0]
     cell = isinstance(rnn, nn.RNNCellBase)
     if x.dim() != (2 if cell else 3):  # unbatched: no batch axis to follow

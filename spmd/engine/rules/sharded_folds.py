@@ -9,7 +9,8 @@ attention with sharded heads and a whole batch all meet it. These composite ops 
 `register_above_autograd`): where a sharded axis follows a whole one among the axes torch merges, it moves the
 sharded axes first (a view), lets torch fold that, and moves the result's axes back — no collective; torch then
 copies the permuted input to fold it and the result back to torch's contiguous order, local copies where the
-gather moved and computed everything. The kernels
+gather moved and computed everything. Where several batch axes are sharded (attention's `[B, H]` over batch and
+heads), no order folds: the product is one `spmd::batched_matmul`, whose rule keeps each batch axis. The kernels
 are registered once a layout that needs them exists, since they cost every call.
 """
 
@@ -21,7 +22,7 @@ import torch
 
 from spmd.dtensor import DTensor
 from spmd.engine.rules.host_values import below, register_above_autograd
-from spmd.layout import on_sharded_behind_whole
+from spmd.layout import on_inner_axis_sharded
 from spmd.ops import batched_matmul
 
 aten = torch.ops.aten
@@ -142,4 +143,4 @@ def _register() -> None:
     register_above_autograd(aten.einsum.default, _einsum)
 
 
-on_sharded_behind_whole(_register)  # a kernel above autograd costs each call ~10 us: only where it can matter
+on_inner_axis_sharded(_register)  # a kernel above autograd costs each call ~10 us: only where it can matter
