@@ -52,6 +52,14 @@ def _positional_slots(args, kwargs):
     return tuple(i for i, a in enumerate(args) if isinstance(a, DTensor))
 
 
+def named_tensors(call: OpCall) -> list:
+    """(argument name, TensorSpec) of each DTensor argument, in the order of the components a kernel gets
+    (positional, then keyword)."""
+    names = [a.name for a in call.func._schema.arguments]
+    return ([(names[i], s) for i, s in enumerate(call.args) if isinstance(s, TensorSpec)]
+            + [(n, s) for n, s in call.kwargs.items() if isinstance(s, TensorSpec)])
+
+
 def per_device(func, l, a, k, count: int):
     """`func` on each local device's components, restacked (None outputs stay None)."""
     outs = []

@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 
 from spmd.engine.registry import register
-from spmd.engine.decision import Decision, OpCall, TensorSpec
-from spmd.engine.rules.common import replace_tensors
+from spmd.engine.decision import Decision, OpCall
+from spmd.engine.rules.common import named_tensors, replace_tensors
 from spmd.engine.rules.reduction import arg
 
 aten = torch.ops.aten
@@ -24,9 +24,7 @@ _BATCHED_MASKS = (1, 2)
 
 @register(aten._native_multi_head_attention.default, aten._transformer_encoder_layer_fwd.default, blockwise=True)
 def fused_layer_rule(call: OpCall) -> Decision:
-    names = [a.name for a in call.func._schema.arguments]
-    named = [(names[i], s) for i, s in enumerate(call.args) if isinstance(s, TensorSpec)]
-    named += [(n, s) for n, s in call.kwargs.items() if isinstance(s, TensorSpec)]
+    named = named_tensors(call)
     batched = {n for n, _ in named if n in _ROWS}
     if arg(call, "mask_type") in _BATCHED_MASKS:
         batched.add("mask")

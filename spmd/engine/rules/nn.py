@@ -14,8 +14,8 @@ import torch
 from spmd.collectives import Collective, Kind
 from spmd.engine.registry import register
 from spmd.engine.decision import Decision, OpCall, TensorSpec, unsupported
-from spmd.engine.rules.common import (REDUCED_PRECISION, block_starts, constant, per_device, replace_tensors,
-                                      shard_starts)
+from spmd.engine.rules.common import (REDUCED_PRECISION, block_starts, constant, named_tensors, per_device,
+                                      replace_tensors, shard_starts)
 from spmd.engine.rules.pointwise import merge_axes
 from spmd.engine.rules.reduction import arg
 
@@ -270,9 +270,7 @@ def attention_rule(call: OpCall) -> Decision:
                                 "dropout is layout-invariant")
     if arg(call, "return_debug_mask", False) or any(arg(call, "grad_input_mask", (False,) * 4)[3:]):
         raise unsupported(call, "the attention weights' debug mask and a mask's gradient are not supported")
-    names = [a.name for a in call.func._schema.arguments]
-    named = [(names[i], s) for i, s in enumerate(call.args) if isinstance(s, TensorSpec)]
-    named += [(n, s) for n, s in call.kwargs.items() if isinstance(s, TensorSpec)]
+    named = named_tensors(call)
     batch = _batch_and_heads([s for n, s in named if n in _PER_HEAD])
     query, key = arg(call, "query"), arg(call, "key")
     full = query.shape[:3] + (key.shape[2],)  # (B, H, L, S)
