@@ -210,7 +210,7 @@ def aminmax_rule(call: OpCall) -> Decision:
     """min and max at once: each decomposes, but a decision has one pending reduction op, so the kernel completes
     both itself over the sharded reduced axes' mesh dims (one all-reduce min, one all-reduce max)."""
     decision = reduce_rule(call, "min")
-    reduced = tuple(m for m in (decision.reduce[0] if decision.reduce else ()) if call.mesh.dim_size(m) > 1)
+    reduced = _reduced_dims(call, decision)
     if not reduced:
         return replace(decision, reduce=())
     local = decision.kernel
