@@ -51,6 +51,7 @@ def prepare_dynamo() -> None:
     _check_subclass_grads_by_their_inner_tensors()
     _key_subclasses_in_the_autograd_cache()
     _take_plain_tangents_for_subclass_outputs()
+    _keep_step_counts_of_controller_parameters()
     tag = f"spmd-{source_digest()}"
     if tag not in torch.compiler.config.cache_key_tag:
         torch.compiler.config.cache_key_tag += tag
@@ -167,6 +168,27 @@ def _take_plain_tangents_for_subclass_outputs() -> None:
         return process(x, meta, *args, **kwargs)
 
     AOTDispatchAutograd.process_runtime_tangent = staticmethod(process_runtime_tangent)
+
+
+def _keep_step_counts_of_controller_parameters() -> None:
+    """Dynamo, tracing an optimizer's step, moves each parameter's step count from the CPU to the parameter's device,
+    in the optimizer's own state. A controller DTensor's device is 'meta' (its components are on the workers), so
+    the count lost its value for good, and the graph could not run. Such a count stays where it is: the controller's
+    graph reads it as a plain CPU tensor and sends it with each call, as it does eagerly."""
+    try:  # a private method of torch; without it a compiled optimizer step on a controller mesh raises
+        from torch._dynamo.variables.optimizer import OptimizerVariable
+        move = OptimizerVariable.move_step_if_cpu
+    except (ImportError, AttributeError):
+        return
+
+    def move_step_if_cpu(self):
+        on_meta = {p: state["step"] for p, state in self.value.state.items()
+                   if "step" in state and isinstance(p, torch.Tensor) and p.is_meta}
+        move(self)
+        for p, step in on_meta.items():
+            self.value.state[p]["step"] = step
+
+    OptimizerVariable.move_step_if_cpu = move_step_if_cpu
 
 
 def _skip_spmd_frames() -> None:

@@ -271,10 +271,10 @@ def test_function_runs_each_graph_on_the_workers_with_one_instruction(ctl, mesh,
                                                                         ("all_reduce", ("batch",))]
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+@pytest.mark.parametrize("optimizer", ["sgd", "adam", "adam_after_an_eager_step"])
 def test_function_training_step_matches_one_process(ctl, mesh, optimizer, monkeypatch):
     """The forward, the backward and the optimizer's step are graphs the workers compile (Adam's step counts,
-    tensors of the controller, are counted here and sent with each call)."""
+    tensors of the controller, are counted here and sent with each call, also when an eager step made them)."""
     def make(params):
         if optimizer == "sgd":
             return torch.optim.SGD(params, lr=0.1, momentum=0.9)
@@ -298,7 +298,9 @@ def test_function_training_step_matches_one_process(ctl, mesh, optimizer, monkey
 
     compiled = spmd.function(step, backend="aot_eager", fullgraph=False)
     to_input = lambda t: spmd.copy_to_mesh(t, Layout(["batch", U], mesh))  # noqa: E731
-    losses = [compiled(to_input(x), to_input(y)).item() for x, y in batches[:-1]]
+    first = step if optimizer == "adam_after_an_eager_step" else compiled
+    losses = [first(to_input(batches[0][0]), to_input(batches[0][1])).item()]
+    losses += [compiled(to_input(x), to_input(y)).item() for x, y in batches[1:-1]]
     x, y = to_input(batches[-1][0]), to_input(batches[-1][1])
     ctl.sync()
     messages = _messages(ctl, monkeypatch)
