@@ -195,6 +195,22 @@ def test_composite_ops_that_make_plain_tensors_are_refused_by_name(mesh):
     assert (labels * 2).sum().item() == 12  # the workers are unaffected
 
 
+@pytest.mark.parametrize("index", [[0, 2], [True, False, True, False], ([0, 3], slice(1, 3)), (slice(None), [1, 3]),
+                                   1, (1, 2), (slice(None), 2)])
+def test_indexing_reads_and_writes_as_in_torch(mesh, index):
+    """A list index (torch makes it a tensor on the indexed tensor's device, 'meta' on the controller) and a number
+    written through an index (made a tensor alike) reach the workers with their values; a write into a row of a
+    sharded axis (a view copied in another layout) goes back into the tensor it was taken from."""
+    value = torch.arange(32.).reshape(4, 8)
+    for _ in range(2):  # (the second time from the shadow cache)
+        a = spmd.copy_to_mesh(value, Layout(["batch", U], mesh))
+        assert torch.equal(spmd.to_global(a[index]), value[index])
+        a[index] = -1.0
+        expected = value.clone()
+        expected[index] = -1.0
+        assert torch.equal(spmd.to_global(a), expected)
+
+
 def test_ops_whose_shape_depends_on_the_values_run_on_the_workers(mesh, monkeypatch):
     """`x[mask]`, `nonzero`, `unique`: the controller holds no values, so the workers run the op and tell it the
     results' shapes; gradients flow back through them."""

@@ -437,10 +437,10 @@ def test_plain_tensor_is_rejected():
 
 def test_small_integer_tensors_broadcast_as_replicated_as_in_tf():
     """TF DTensor's rule: plain int32/int64 tensors of fewer than 20 elements (indices, shapes) are replicated;
-    larger ones, and floating ones, are mixed tensors."""
+    larger ones, and floating ones, are mixed tensors. Short bool tensors are indices too (a list of bools)."""
     value = rand(4, 6)
     a = distribute(value, spmd.Layout(["x", "y"], MESH)).requires_grad_()
-    for index in ([0, 2], torch.tensor([3, 1]), torch.tensor([[1], [0]], dtype=torch.int32)):
+    for index in ([0, 2], torch.tensor([3, 1]), torch.tensor([[1], [0]], dtype=torch.int32), [True, False, True, True]):
         assert torch.equal(gather(a[index]), value[index])
     columns = torch.tensor([0, 4])
     (torch.index_select(a, 1, columns) * 3).sum().backward()

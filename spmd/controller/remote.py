@@ -85,6 +85,14 @@ class RemoteDTensor(DTensor):
                 return DTensor.__torch_dispatch__(func, types, args, kwargs)
         return session.run_op(func, args, kwargs or {})
 
+    def __getitem__(self, index):
+        return super().__getitem__(_index_on_cpu(index))
+
+    def __setitem__(self, index, value):
+        if isinstance(value, (bool, int, float, complex)):  # (torch would make it a tensor on 'meta' too)
+            value = torch.tensor(value, dtype=self.dtype)
+        super().__setitem__(_index_on_cpu(index), value)
+
     @property
     def _local(self) -> torch.Tensor:
         """The engine (on shadows) reads the shadow; anyone else reads the real components, fetched."""
@@ -124,6 +132,21 @@ def remote_class(cls: type) -> type:
     if cls not in _REMOTE_CLASSES:
         _REMOTE_CLASSES[cls] = type(f"Remote{cls.__name__}", (RemoteDTensor, cls), {"__init__": lambda *a, **k: None})
     return _REMOTE_CLASSES[cls]
+
+
+def _index_on_cpu(index):
+    """torch makes an index given as a list into a tensor on the indexed tensor's device, which for a controller
+    DTensor is 'meta', where the list's values are lost: such a list is made a CPU tensor first, as torch would make
+    it (a list of numbers is one index tensor; a short list holding a list, slice, tensor, `...` or None is read as
+    a tuple of indices)."""
+    if isinstance(index, list):
+        if len(index) >= 32 or not any(isinstance(i, (list, tuple, slice, torch.Tensor)) or i is None or i is ...
+                                       for i in index):
+            return torch.tensor(index)
+        index = tuple(index)
+    if isinstance(index, tuple):
+        return tuple(torch.tensor(i) if isinstance(i, list) else i for i in index)
+    return index
 
 
 def _session_of(args):

@@ -13,7 +13,8 @@ ignores their value, as its own cache does). So the first call of a key runs the
 A later call of the key builds the outputs from that record and updates the inputs alike; no kernel runs. The
 shadows are fresh `meta` tensors, not views of the inputs' shadows: nothing on the controller reads their data
 or storage, only their metadata (the wrappers autograd sees are new tensors on either path). Calls the record
-cannot express (an op that rebinds its input's sizes, `squeeze_`; a plain tensor result) always take the engine.
+cannot express (an op that rebinds its input's sizes, `squeeze_`; a plain tensor result; a view copied in another
+layout, which an in-place op writes back into the input it was taken from) always take the engine.
 
 `CHECK = True` (the tests) runs the engine on every hit too, then the replay from the same input states, and
 raises if they made different metadata.
@@ -158,8 +159,8 @@ def _record(out, tensors, before):
             outputs.append(None)
         elif id(o) in ids:
             outputs.append(ids[id(o)])
-        elif not isinstance(o, DTensor) or id(o) in new:  # a plain result, or one new tensor returned twice
-            return _UNCACHEABLE
+        elif not isinstance(o, DTensor) or id(o) in new or o._view_of is not None:
+            return _UNCACHEABLE  # a plain result, one new tensor returned twice, or a copied view of its input
         else:
             new.add(id(o))
             outputs.append(_output_facts(o))

@@ -92,19 +92,20 @@ def _sig(a, tensors, blind=False):
 def mixed_tensor_error(plain: torch.Tensor) -> MixedTensorError:
     return MixedTensorError(
         f"a plain torch.Tensor of shape {list(plain.shape)} was mixed with DTensors; only Python scalars, 0-d "
-        f"tensors and int32/int64 tensors of fewer than {SMALL_INTEGER_TENSOR} elements are broadcast "
+        f"tensors and integer or bool tensors of fewer than {SMALL_INTEGER_TENSOR} elements are broadcast "
         "automatically. Distribute it first: spmd.copy_to_mesh(tensor, layout); where torch made it inside an op's own "
         "implementation, run the op under spmd.implicit_replication()")
 
 
 # TF DTensor's rule: plain integer tensors of fewer elements than this (indices, shapes, axes: `x[[0, 2]]`) are
-# broadcast to DTensors as replicated; any other plain tensor of rank > 0 is an error
+# broadcast to DTensors as replicated; any other plain tensor of rank > 0 is an error. Short bool tensors are indices
+# too here (`x[[True, False, True]]`: torch makes the list a bool mask)
 SMALL_INTEGER_TENSOR = 20
 
 
 def _small_integers(args, kwargs) -> bool:
     """Whether every plain tensor of rank > 0 among the arguments is a small integer tensor (see above)."""
-    return all(t.dtype in (torch.int32, torch.int64) and t.numel() < SMALL_INTEGER_TENSOR
+    return all(t.dtype in (torch.int32, torch.int64, torch.bool) and t.numel() < SMALL_INTEGER_TENSOR
                for t in pytree.tree_leaves((args, kwargs))
                if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) and t.dim() > 0)
 
