@@ -98,6 +98,11 @@ INDEXING = {
                    [rand(4, 4), _ix(3, 0), rand(4, 2, seed=1)]),
     "index_copy_": (lambda x, i, s: x * _replicated(x.new_ones(4, 4)).index_copy_(0, i, s),
                     [rand(4, 4), _ix(3, 0), rand(2, 4, seed=1)]),
+    # rows added at their indices, both sharded alike: a pending sum (index_select's gradient)
+    "index_add_rows": (lambda x, i, s: x.index_add(0, i, s, alpha=2.0), [rand(4, 4), _ix(3, 0, 3, 1),
+                                                                         rand(4, 4, seed=1)]),
+    "scatter_add_rows": (lambda x, i, s: x.scatter_add(1, i, s), [rand(4, 4), _ix([0, 3], [1, 1], [2, 0], [3, 3]),
+                                                                  rand(4, 2, seed=1)]),
     "index_fill": (lambda x, i: x.index_fill(0, i, -1.0), [rand(4, 4), _ix(1, 2)]),
     # the value's own gradient needs `_unique` (data-dependent, no rule): the value is not differentiated
     "index_fill_tensor": (lambda x, i, v: x.index_fill(1, i, v), [rand(4, 4), _ix(0), Const(rand(seed=1))]),
@@ -220,6 +225,26 @@ def test_indexing_along_an_unsharded_dim_keeps_the_other_axis_sharded_without_co
                lambda: x.index_fill(1, rows, 0.0), lambda: x.index_reduce(1, rows, s, "prod")):
         out, collectives = issued(fn)
         assert collectives == [] and _specs(out) == ["x", U]
+
+
+@pytest.mark.parametrize("lookup", ["index_select", "gather"])
+def test_a_lookup_at_sharded_indices_keeps_them_sharded_and_its_gradient_is_one_all_reduce(lookup):
+    """A replicated table read at batch-sharded indices (as an embedding is): each device reads its own rows, and
+    the table's gradient is their sum over the batch, one all-reduce, as data parallelism's is."""
+    value = rand(4, 4)
+    table = _dist(value, U, U).requires_grad_()
+    plain = torch.tensor([3, 0, 3, 1])
+    if lookup == "index_select":
+        index, read = _dist(plain, "x"), lambda t, i: t.index_select(0, i)
+    else:
+        index, read = _dist(plain.view(4, 1).expand(4, 4).contiguous(), "x", U), lambda t, i: t.gather(0, i)
+    out, collectives = issued(lambda: read(table, index))
+    assert collectives == [] and _specs(out) == ["x", U]
+    reference = value.clone().requires_grad_()
+    read(reference, spmd.to_global(index)).backward(rand(4, 4, seed=1))
+    _, collectives = issued(lambda: (out.backward(_dist(rand(4, 4, seed=1), "x", U)), spmd.to_global(table.grad)))
+    assert collectives == [("all_reduce", ("x",))]
+    torch.testing.assert_close(spmd.to_global(table.grad), reference.grad)
 
 
 def test_take_reads_a_replicated_tensor_at_sharded_indices_without_collectives():

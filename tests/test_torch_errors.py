@@ -100,3 +100,45 @@ def test_softmax_over_an_empty_sharded_axis_is_empty(mesh22):
     for shape, layout, dim in (((0, 4), ["x", U], 0), ((4, 0), [U, "y"], 1)):
         t = spmd.copy_to_mesh(torch.zeros(shape), Layout(layout, mesh22))
         assert t.softmax(dim).shape == shape and t.log_softmax(dim).shape == shape
+
+
+# (name, op on a 4x8 tensor and an index tensor, the index): an index out of bounds, found as the kernel runs
+BAD_INDICES = {
+    "x[i]": (lambda t, i: t[i], [0, 7]),
+    "x[:, i]": (lambda t, i: t[:, i], [0, 9]),
+    "x[i] = 1": (lambda t, i: t.index_put_((i,), torch.tensor(1.0)), [0, 7]),
+    "x[i] = 1, negative": (lambda t, i: t.index_put_((i,), torch.tensor(1.0)), [0, -5]),
+    "x[:, i] = 1": (lambda t, i: t.__setitem__((slice(None), i), 1.0), [0, 9]),
+    "gather(1)": (lambda t, i: torch.gather(t, 1, i.expand(4, 2)), [0, 9]),
+    "scatter_(1)": (lambda t, i: t.scatter_(1, i.expand(4, 2), 1.0), [0, 9]),
+    "embedding": (lambda t, i: F.embedding(i, t), [0, 4]),
+    "embedding, negative": (lambda t, i: F.embedding(i, t), [0, -1]),
+    "cross_entropy": (lambda t, i: F.cross_entropy(t, i.repeat(2)), [1, 9]),
+}
+
+
+@pytest.mark.parametrize("layout", [[U, U], ["x", U], [U, "y"], ["x", "y"]], ids=str)
+@pytest.mark.parametrize("name", list(BAD_INDICES))
+def test_index_out_of_bounds_is_torchs_error_never_a_dropped_write(mesh22, name, layout):
+    """Kernels on a sharded axis map each index to a device's block: one outside the axis was dropped (a write that
+    went nowhere, a zero embedding, a loss without that row) where torch raises; and an error that a kernel on the
+    stacked components raised named their axis, one past the user's."""
+    op, index = BAD_INDICES[name]
+    value = torch.arange(32.0).reshape(4, 8)
+    kind, message = _torch_error(op, value.clone(), torch.tensor(index))
+    t = spmd.copy_to_mesh(value, Layout(layout, mesh22))
+    i = spmd.copy_to_mesh(torch.tensor(index), Layout([U], mesh22))
+    with pytest.raises(kind) as info:
+        op(t, i)
+    assert str(info.value) == message
+
+
+def test_index_out_of_bounds_in_a_compiled_function_is_an_error(mesh22):
+    """Inside a trace the values are unknown: the check is an asynchronous assert in the graph, as torch's CUDA
+    kernels check, and it fires when the graph runs."""
+    table = spmd.copy_to_mesh(torch.randn(8, 4), Layout(["x", U], mesh22))
+    lookup = spmd.function(lambda w, i: F.embedding(i, w), backend="aot_eager")
+    ids = lambda values: spmd.copy_to_mesh(torch.tensor(values), Layout([U], mesh22))  # noqa: E731
+    torch.testing.assert_close(spmd.to_global(lookup(table, ids([0, 7]))), spmd.to_global(table)[[0, 7]])
+    with pytest.raises(RuntimeError, match="index out of range in self"):
+        lookup(table, ids([0, 8]))

@@ -70,6 +70,11 @@ OPTIMIZERS = {
     "sgd_momentum": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
     "adamw": lambda params: torch.optim.AdamW(params, lr=1e-2),
     "adam_foreach": lambda params: torch.optim.Adam(params, lr=1e-2, foreach=True),
+    # traced as their foreach path: torch cannot put a fused kernel in a graph, and Adagrad's for-loop reads its
+    # step count as a Python number
+    "adamw_fused": lambda params: torch.optim.AdamW(params, lr=1e-2, fused=True),
+    "sgd_fused": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9, fused=True),
+    "adagrad": lambda params: torch.optim.Adagrad(params, lr=1e-2),
 }
 
 

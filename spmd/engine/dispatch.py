@@ -11,6 +11,7 @@ after they are made.
 from __future__ import annotations
 
 import dataclasses
+import re
 import sys
 import warnings
 
@@ -169,9 +170,27 @@ def torch_dispatch(cls, func, types, args=(), kwargs=None):
     plan = _CACHE.get(key)
     if plan is None:
         plan = _miss(key, func, args, kwargs or {}, tensors)
-    if explain.RECORDERS:
-        return _recorded(func, tensors, lambda: _execute(plan, func, args, kwargs or {}, tensors))
-    return _execute(plan, func, args, kwargs or {}, tensors)
+    try:
+        if explain.RECORDERS:
+            return _recorded(func, tensors, lambda: _execute(plan, func, args, kwargs or {}, tensors))
+        return _execute(plan, func, args, kwargs or {}, tensors)
+    except (IndexError, RuntimeError) as e:
+        _name_the_global_dim(e)
+        raise
+
+
+# a kernel's error that names an axis of the stacked components it ran on: one more than the user's axis
+_STACKED_DIM = re.compile(r"(out of bounds for dimension )(\d+)")
+
+
+def _name_the_global_dim(error: Exception) -> None:
+    """Rewords a kernel's error (an index out of bounds, found as it ran) to name the user's axis, not the
+    stacked components' (once: an error raised by an op inside another op's expansion passes both)."""
+    message = str(error.args[0]) if error.args else ""
+    match = _STACKED_DIM.search(message)
+    if match and int(match[2]) > 0 and not getattr(error, "_spmd_dims", False):
+        error.args = (message[:match.start(2)] + str(int(match[2]) - 1) + message[match.end(2):],) + error.args[1:]
+        error._spmd_dims = True
 
 
 def resolve(tensor: DTensor) -> None:

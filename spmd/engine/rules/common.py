@@ -183,6 +183,37 @@ def shard_starts(call: OpCall, mesh_dim: str, block: int, ndim: int) -> Callable
     return constant(lambda: torch.tensor(starts, device=call.mesh.torch_device).view(shape))
 
 
+def check_in_range(index: torch.Tensor, size: int, error: type, message: str, negative: bool = False,
+                   ignored: int | None = None) -> None:
+    """torch's error where an index of an axis of `size` falls outside it (from -size where `negative`; the value
+    `ignored` is allowed), for a kernel that maps indices to each device's block and would otherwise drop such an
+    index without a word. Raised at once for real CPU tensors, as torch's kernels raise it (`message` formatted with
+    the first bad index); elsewhere, and inside a trace, an asynchronous assert, as torch's CUDA kernels report it."""
+    inside = (index >= (-size if negative else 0)) & (index < size)
+    if ignored is not None:
+        inside |= index == ignored
+    if type(index) is torch.Tensor and index.device.type == "cpu":
+        if not inside.all():
+            raised = error(message.format(index[~inside][0].item()))
+            raised._spmd_dims = True  # (it names the user's axis: the dispatcher leaves it as it is)
+            raise raised
+    else:
+        torch._assert_async(inside.all(), message.format("(some index)"))
+
+
+def first_device(call: OpCall, mesh_dims: tuple, rank: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Whether each local device is the first along every mesh dim of `mesh_dims`, shaped `(L, 1, ..., 1)` (where
+    a sum over those mesh dims counts a replicated term once)."""
+    starts = [shard_starts(call, m, 1, rank) for m in mesh_dims]
+
+    def get(like: torch.Tensor) -> torch.Tensor:
+        out = torch.ones((call.num_local,) + (1,) * rank, dtype=torch.bool, device=like.device)
+        for s in starts:
+            out = out & (s(like) == 0)
+        return out
+    return get
+
+
 def block_starts(call: OpCall, axis, block: int) -> list[int]:
     """Per local device, the first global index of its block along a tensor axis sharded over `axis` (a mesh dim,
     several, row-major as a layout orders them, or None: 0 on every device)."""

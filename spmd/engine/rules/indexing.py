@@ -18,8 +18,8 @@ import torch
 
 from spmd.engine.registry import register
 from spmd.engine.decision import Decision, OpCall, TensorSpec, unsupported
-from spmd.engine.rules.common import (broadcast_view, generic_kernel, norm_dim, replace_tensors, shard_starts,
-                                     zero_d_as_one_element)
+from spmd.engine.rules.common import (broadcast_view, check_in_range, first_device, generic_kernel, norm_dim,
+                                     replace_tensors, shard_starts, zero_d_as_one_element)
 from spmd.engine.rules.pointwise import aligned_inputs, broadcast_shape, is_inplace, merge_axes
 from spmd.engine.rules.reduction import arg
 from spmd.engine.rules.value_shaped import masked, value_shaped_rule
@@ -177,7 +177,7 @@ def index_put_rule(call: OpCall) -> Decision:
     perm = (0,) + tuple(i + 1 for i in adv.indexed + adv.kept)
     moved = tuple(range(adv.start + 1, adv.start + nb + 1)), tuple(range(1, nb + 1))
     remaps = _block_remaps(call, spec, adv)
-    first = _first_device(call, sums, spec.rank)
+    first = first_device(call, sums, spec.rank)
 
     def kernel(locals_, args, kwargs):
         x = locals_[0]
@@ -256,6 +256,8 @@ def _padded(x: torch.Tensor, remaps: list, idx: list) -> torch.Tensor:
     """`x` with one scratch slot past the end of each remapped axis, and `idx` (in place) made block-local: an
     index outside a device's block points at the scratch slot."""
     for k, i, size, block, starts in remaps:
+        check_in_range(idx[k], size, IndexError, f"index {{}} is out of bounds for dimension {k} with size {size}",
+                       negative=True)
         local = idx[k] + size * (idx[k] < 0) - starts(x)
         idx[k] = torch.where((local >= 0) & (local < block), local, block)
         slot = list(x.shape)
@@ -268,15 +270,3 @@ def _unpadded(x: torch.Tensor, remaps: list) -> torch.Tensor:
     for _, i, _, block, _ in remaps:
         x = x.narrow(i + 1, 0, block)
     return x
-
-
-def _first_device(call: OpCall, mesh_dims: tuple, rank: int):
-    """Whether each local device is the first along every mesh dim of `mesh_dims`, shaped `(L, 1, ..., 1)`."""
-    starts = [shard_starts(call, m, 1, rank) for m in mesh_dims]
-
-    def get(like: torch.Tensor) -> torch.Tensor:
-        out = torch.ones((call.num_local,) + (1,) * rank, dtype=torch.bool, device=like.device)
-        for s in starts:
-            out = out & (s(like) == 0)
-        return out
-    return get

@@ -14,8 +14,8 @@ import torch
 from spmd.collectives import Collective, Kind
 from spmd.engine.registry import register
 from spmd.engine.decision import Decision, OpCall, TensorSpec, unsupported
-from spmd.engine.rules.common import (REDUCED_PRECISION, block_starts, constant, named_tensors, per_device,
-                                      replace_tensors, shard_starts)
+from spmd.engine.rules.common import (REDUCED_PRECISION, block_starts, check_in_range, constant, named_tensors,
+                                      per_device, replace_tensors, shard_starts)
 from spmd.engine.rules.pointwise import merge_axes
 from spmd.engine.rules.reduction import arg
 
@@ -89,8 +89,11 @@ def embedding_rule(call: OpCall) -> Decision:
     stack_base = constant(lambda: torch.arange(n_local, device=mesh.torch_device).view(
         (n_local,) + (1,) * idx.rank) * rows)
 
+    vocab_size = table.shape[0]
+
     def kernel(l, a, k):
         weight, ids = l
+        check_in_range(ids, vocab_size, IndexError, "index out of range in self")
         flat = weight.reshape(n_local * rows, weight.shape[-1])
         if offsets is None:
             out = torch.nn.functional.embedding(ids + stack_base(ids), flat)

@@ -18,8 +18,8 @@ import torch
 from spmd.dtensor import dense_strides
 from spmd.engine.registry import lookup, register
 from spmd.engine.decision import Decision, OpCall, TensorSpec, is_inplace, unsupported
-from spmd.engine.rules.common import (block_starts, constant, generic_kernel, norm_dim, shard_starts,
-                                      zero_d_as_one_element)
+from spmd.engine.rules.common import (block_starts, check_in_range, constant, first_device, generic_kernel,
+                                      norm_dim, shard_starts, zero_d_as_one_element)
 from spmd.engine.rules.reduction import arg, arg_index
 from spmd.layout import axis_dims
 
@@ -305,7 +305,57 @@ def indexed_rule(call: OpCall) -> Decision:
     same = [i for i in range(specs[0].rank) if i != dim and len({s.shape[i] for s in specs}) == 1]
     merged = _merged(specs, skip=dim)
     axes = tuple(m if i in same else None for i, m in enumerate(merged))
-    return Decision((axes,) * len(specs), (axes,), generic_kernel(call.func, arg_overrides={1: dim + 1}))
+    kernel = generic_kernel(call.func, arg_overrides={1: dim + 1})
+    picked = _sharded_indices(call, dim, axes)
+    if picked is None:
+        return Decision((axes,) * len(specs), (axes,), kernel)
+    rows = axes[:dim] + (picked,) + axes[dim + 1:]
+    if call.func is aten.gather.default:  # each device reads its own indices' elements
+        return Decision((axes, rows), (rows,), kernel)
+    return _scatter_add_of_sharded_rows(call, dim, axes, picked, kernel)
+
+
+def _scatter_add_of_sharded_rows(call: OpCall, dim: int, axes: tuple, picked, kernel) -> Decision:
+    """`scatter_add` whose indices and source are sharded alike along `dim` (gather's gradient after a lookup of
+    sharded indices): each device adds its own rows, and the result is a pending sum over those mesh dims. `self`
+    is counted once: on their first device, or, sharded alike along `dim` (zeros made like the gradient), each
+    device's block at its rows."""
+    self_ = call.specs[0]
+    rows = axes[:dim] + (picked,) + axes[dim + 1:]
+    first = first_device(call, (picked,), self_.rank)
+    if self_.axes[dim] != picked:
+        def summing(locals_, args, kwargs):
+            return kernel([torch.where(first(locals_[0]), locals_[0], 0), *locals_[1:]], args, kwargs)
+        return Decision((axes, rows, rows), (axes,), summing, reduce=((picked,),))
+    block = self_.shape[dim] // call.shards(picked)
+    view = [1] * (self_.rank + 1)
+    view[0], view[dim + 1] = call.num_local, block
+    own_rows = constant(lambda: (torch.tensor(block_starts(call, picked, block), device=call.mesh.torch_device)
+                                 .view(-1, 1) + torch.arange(block, device=call.mesh.torch_device)).view(view))
+
+    def placed(locals_, args, kwargs):
+        x = locals_[0]
+        shape = list(x.shape)
+        shape[dim + 1] = self_.shape[dim]
+        out = x.new_zeros(shape).scatter_add_(dim + 1, own_rows(x).expand(x.shape), x)
+        return kernel([out, *locals_[1:]], args, kwargs)
+    return Decision((rows, rows, rows), (axes,), placed, reduce=((picked,),))
+
+
+def _sharded_indices(call: OpCall, dim: int, axes: tuple):
+    """The sharding of `gather`'s indices along `dim` (of `scatter_add`'s, where its source's rows are sharded
+    alike) that may stay: the sharded rows of a lookup, or of its gradient. None where they are whole, or where
+    another axis is sharded over the same mesh dims."""
+    specs = call.specs
+    picked = specs[1].axes[dim]
+    if picked is None or set(axis_dims(picked)) & {d for m in axes if m is not None for d in axis_dims(m)}:
+        return None
+    if call.func is aten.gather.default:
+        return picked
+    if call.func is aten.scatter_add.default and specs[2].axes[dim] == picked and \
+            specs[2].shape[dim] == specs[1].shape[dim]:
+        return picked
+    return None
 
 
 @register(aten.scatter_.src, aten.scatter_.value, aten.scatter_add_.default)
@@ -330,7 +380,11 @@ def indexed_inplace_rule(call: OpCall) -> Decision:
     starts = shard_starts(call, m, block, specs[0].rank)
     d = dim + 1
 
+    size = specs[0].shape[dim]
+
     def kernel(locals_, args, kwargs):
+        check_in_range(locals_[1], size, RuntimeError,
+                       f"index {{}} is out of bounds for dimension {dim} with size {size}")
         local, index = locals_[0], locals_[1] - starts(locals_[1])
         index = index.masked_fill((index < 0) | (index >= block), block)  # outside this block: the scratch slot
         padded = torch.cat([local, local.narrow(d, 0, 1)], d)
@@ -492,12 +546,22 @@ def repeat_rule(call: OpCall) -> Decision:
 @register(aten.index_select.default)
 @zero_d_as_one_element
 def index_select_rule(call: OpCall) -> Decision:
-    """Rows picked along `dim` by replicated indices: that axis is whole on each device, others keep sharding."""
+    """Rows picked along `dim`: that axis is whole on each device, others keep sharding. Sharded indices (a batch
+    of rows to look up) stay sharded where no other axis uses their mesh dims: each device picks its own rows, and
+    the result's `dim` axis is sharded as the indices are."""
     spec, index = call.specs
     dim = norm_dim(arg(call, "dim"), spec.rank)
     axes = _whole(spec, {dim})
-    return Decision((axes, (None,) * index.rank), (axes,),
-                    lambda l, a, k: l[0].index_select(dim + 1, l[1][0].reshape(-1)))
+    picked = index.axes[0] if index.rank == 1 else None
+    if picked is None or set(axis_dims(picked)) & {d for m in axes if m is not None for d in axis_dims(m)}:
+        return Decision((axes, (None,) * index.rank), (axes,),
+                        lambda l, a, k: l[0].index_select(dim + 1, l[1][0].reshape(-1)))
+    devices = constant(lambda: torch.arange(call.num_local, device=call.mesh.torch_device).view(-1, 1))
+
+    def kernel(locals_, args, kwargs):
+        x, rows = locals_[0].movedim(dim + 1, 1), locals_[1]
+        return x[devices(rows), rows].movedim(1, dim + 1).contiguous()
+    return Decision((axes, (picked,)), (axes[:dim] + (picked,) + axes[dim + 1:],), kernel)
 
 
 @register(aten.index_add.default, aten.index_copy.default, aten.index_reduce.default, aten.index_add_.default,
@@ -511,6 +575,10 @@ def index_add_rule(call: OpCall) -> Decision:
     self_, index, source = call.specs
     dim = norm_dim(arg(call, "dim"), self_.rank)
     inplace = is_inplace(call.func)
+    if call.func is aten.index_add.default:
+        summed = _index_add_of_sharded_rows(call, dim)
+        if summed is not None:
+            return summed
     axes = tuple(None if i == dim else m for i, m in enumerate(self_.axes)) if inplace else \
         _merged([self_, source], skip=dim)
     source_axes = axes if source.rank == self_.rank else ()
@@ -520,3 +588,38 @@ def index_add_rule(call: OpCall) -> Decision:
         rows = locals_[2] if source.rank == self_.rank else locals_[2].view(as_rows)
         return call.func(locals_[0], dim + 1, locals_[1][0].reshape(-1), rows, *args[4:], **kwargs)
     return Decision((axes, (None,) * index.rank, source_axes), (axes,), kernel, inplace=inplace)
+
+
+def _index_add_of_sharded_rows(call: OpCall, dim: int) -> Decision | None:
+    """`index_add` of rows sharded with their indices (index_select's gradient after a lookup of sharded indices):
+    each device adds its own rows, and the result is a pending sum over those mesh dims. `self` is counted once:
+    on their first device, or, sharded alike along `dim` (zeros made like the gradient), each device's block at
+    its rows. None where the indices are not sharded alike with the rows along `dim`."""
+    self_, index, source = call.specs
+    picked = index.axes[0] if index.rank == 1 else None
+    if picked is None or source.rank != self_.rank or source.axes[dim] != picked:
+        return None
+    axes = _merged([self_, source], skip=dim)
+    if set(axis_dims(picked)) & {d for m in axes if m is not None for d in axis_dims(m)}:
+        return None
+    self_rows = self_.axes[dim] == picked
+    block = self_.shape[dim] // call.shards(picked)
+    own_rows = constant(lambda: torch.tensor(block_starts(call, picked, block), device=call.mesh.torch_device)
+                        .view(-1, 1) + torch.arange(block, device=call.mesh.torch_device))
+    first = first_device(call, (picked,), self_.rank)
+    devices = constant(lambda: torch.arange(call.num_local, device=call.mesh.torch_device).view(-1, 1))
+    alpha = arg(call, "alpha", 1)
+
+    def kernel(locals_, args, kwargs):
+        x, rows, values = locals_[0].movedim(dim + 1, 1), locals_[1], locals_[2].movedim(dim + 1, 1)
+        values = (values * alpha if alpha != 1 else values).to(x.dtype)
+        if self_rows:
+            out = x.new_zeros((x.shape[0], self_.shape[dim]) + x.shape[2:])
+            rows, values = torch.cat([own_rows(rows), rows], 1), torch.cat([x, values], 1)
+        else:
+            out = torch.where(first(locals_[0]), locals_[0], 0).movedim(dim + 1, 1)
+        out.index_put_((devices(rows), rows), values, accumulate=True)
+        return out.movedim(1, dim + 1)
+    self_axes = axes[:dim] + (picked if self_rows else None,) + axes[dim + 1:]
+    return Decision((self_axes, (picked,), axes[:dim] + (picked,) + axes[dim + 1:]), (axes,), kernel,
+                    reduce=((picked,),))

@@ -13,7 +13,7 @@ import torch
 from spmd.collectives import Collective, Kind
 from spmd.engine.registry import register
 from spmd.engine.decision import Decision, OpCall
-from spmd.engine.rules.common import raise_if_kernel_refuses, shard_starts
+from spmd.engine.rules.common import check_in_range, raise_if_kernel_refuses, shard_starts
 from spmd.engine.rules.nn import nll_loss_backward_rule, nll_loss_rule
 from spmd.engine.rules.reduction import scan_rule, softmax_backward_rule
 
@@ -77,9 +77,11 @@ def nll_rule(call: OpCall) -> Decision:
     n_local = call.num_local
     block = x.shape[-1] // call.shards(m)
     starts = shard_starts(call, m, block, len(t_axes))
+    classes = x.shape[-1]
 
     def kernel(l, a, k, run):
         xl, t = l[0], l[1]
+        check_in_range(t, classes, IndexError, "Target {} is out of bounds.", ignored=ignore_index)
         w = l[2][0] if weight is not None else None
         xl = xl.view(n_local, -1, block)  # (L, N, C/k)
         t = t.view(n_local, -1)
