@@ -133,6 +133,27 @@ def test_index_out_of_bounds_is_torchs_error_never_a_dropped_write(mesh22, name,
     assert str(info.value) == message
 
 
+# (name, lookup of a 4x8 table at 2 indices sharded over x, with 2 rows of source sharded alike)
+SHARDED_LOOKUPS = {
+    "index_select": lambda t, i, rows: t.index_select(0, i),
+    "index_add": lambda t, i, rows: t.index_add(0, i, rows),
+    "gather": lambda t, i, rows: t.gather(0, i.view(2, 1).expand(2, 8).contiguous()),
+}
+
+
+@pytest.mark.parametrize("index", [[0, 4], [0, -1]], ids=["too large", "negative"])
+@pytest.mark.parametrize("name", list(SHARDED_LOOKUPS))
+def test_a_lookup_at_sharded_indices_refuses_what_torch_refuses(mesh22, name, index):
+    """Each device reads at its own indices by advanced indexing, which would take -1 as the last row."""
+    value, rows = torch.arange(32.0).reshape(4, 8), torch.ones(2, 8)
+    kind, message = _torch_error(SHARDED_LOOKUPS[name], value, torch.tensor(index), rows)
+    with pytest.raises(kind) as info:
+        SHARDED_LOOKUPS[name](spmd.copy_to_mesh(value, Layout([U, U], mesh22)),
+                              spmd.copy_to_mesh(torch.tensor(index), Layout(["x"], mesh22)),
+                              spmd.copy_to_mesh(rows, Layout(["x", U], mesh22)))
+    assert str(info.value) == message
+
+
 def test_index_out_of_bounds_in_a_compiled_function_is_an_error(mesh22):
     """Inside a trace the values are unknown: the check is an asynchronous assert in the graph, as torch's CUDA
     kernels check, and it fires when the graph runs."""

@@ -558,8 +558,11 @@ def index_select_rule(call: OpCall) -> Decision:
                         lambda l, a, k: l[0].index_select(dim + 1, l[1][0].reshape(-1)))
     devices = constant(lambda: torch.arange(call.num_local, device=call.mesh.torch_device).view(-1, 1))
 
+    size = spec.shape[dim]
+
     def kernel(locals_, args, kwargs):
         x, rows = locals_[0].movedim(dim + 1, 1), locals_[1]
+        check_in_range(rows, size, IndexError, "index out of range in self")  # (advanced indexing would wrap -1)
         return x[devices(rows), rows].movedim(1, dim + 1).contiguous()
     return Decision((axes, (picked,)), (axes[:dim] + (picked,) + axes[dim + 1:],), kernel)
 
@@ -610,8 +613,11 @@ def _index_add_of_sharded_rows(call: OpCall, dim: int) -> Decision | None:
     devices = constant(lambda: torch.arange(call.num_local, device=call.mesh.torch_device).view(-1, 1))
     alpha = arg(call, "alpha", 1)
 
+    size = self_.shape[dim]
+
     def kernel(locals_, args, kwargs):
         x, rows, values = locals_[0].movedim(dim + 1, 1), locals_[1], locals_[2].movedim(dim + 1, 1)
+        check_in_range(rows, size, RuntimeError, f"index {{}} is out of bounds for dimension {dim} with size {size}")
         values = (values * alpha if alpha != 1 else values).to(x.dtype)
         if self_rows:
             out = x.new_zeros((x.shape[0], self_.shape[dim]) + x.shape[2:])
