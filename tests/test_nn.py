@@ -555,6 +555,67 @@ def test_multihead_attention_fast_path_keeps_the_batch_sharded(masks, need_weigh
         assert weights is None
 
 
+@pytest.mark.parametrize("batch_first", [True, False], ids=["batch_first", "sequence_first"])
+@pytest.mark.parametrize("masks", ["none", "key_padding", "causal", "both"])
+@pytest.mark.parametrize("need_weights", [False, True])
+@pytest.mark.parametrize("kv_dim", [None, 6], ids=["packed", "separate_kv"])
+def test_multihead_attention_training_keeps_the_batch_sharded(batch_first, masks, need_weights, kv_dim):
+    """torch's training path folds sequence and batch into one axis before the output projection, which has no
+    block layout for a sharded batch (it gathered the attention's output): spmd runs it batch first. Values and
+    gradients are plain torch's; the forward has no collective, the backward only the parameters' gradient sum."""
+    mesh = spmd.create_mesh([("batch", 2), ("model", 2)])
+    torch.manual_seed(0)
+    kw = {} if kv_dim is None else {"kdim": kv_dim, "vdim": kv_dim}
+    mha = nn.MultiheadAttention(8, 2, batch_first=batch_first, **kw).double()
+    dmha = spmd.distribute_module(copy.deepcopy(mha), mesh)
+    seq_axes = (lambda b, s, e: (b, s, e)) if batch_first else (lambda b, s, e: (s, b, e))
+    x = torch.randn(seq_axes(4, 6, 8), dtype=torch.float64)
+    kv = x if kv_dim is None else torch.randn(seq_axes(4, 6, kv_dim), dtype=torch.float64)
+    layout = Layout(list(seq_axes("batch", U, U)), mesh)
+    kpm = torch.zeros(4, 6, dtype=torch.bool)
+    kpm[1, -2:] = True
+    causal = torch.triu(torch.ones(6, 6, dtype=torch.bool), 1)
+    masks = {"key_padding_mask": kpm if masks in ("key_padding", "both") else None,
+             "attn_mask": causal if masks in ("causal", "both") else None, "is_causal": masks == "causal"}
+    dmasks = {k: v if not isinstance(v, torch.Tensor) else
+              spmd.copy_to_mesh(v, Layout(["batch" if k[0] == "k" else U, U], mesh)) for k, v in masks.items()}
+    q = x.clone().requires_grad_()
+    dq = spmd.copy_to_mesh(x, layout).requires_grad_()
+    dkv = dq if kv_dim is None else spmd.copy_to_mesh(kv, layout)
+    with Recorder() as forward:
+        out, weights = dmha(dq, dkv, dkv, need_weights=need_weights, **dmasks)
+    want, want_weights = mha(q, q if kv_dim is None else kv, q if kv_dim is None else kv, need_weights=need_weights,
+                             **masks)
+    assert forward.collectives == [] and specs(out) == list(seq_axes("batch", U, U))
+    torch.testing.assert_close(spmd.to_global(out), want)
+    if need_weights:
+        torch.testing.assert_close(spmd.to_global(weights), want_weights)
+    else:
+        assert weights is None
+    grad = torch.randn_like(want)
+    want.backward(grad)
+    _, collectives = issued(lambda: out.backward(spmd.copy_to_mesh(grad, layout)))
+    assert set(collectives) == {("all_reduce", ("batch",))}
+    torch.testing.assert_close(spmd.to_global(dq.grad), q.grad)
+    for (name, p), plain in zip(dmha.named_parameters(), mha.parameters()):
+        torch.testing.assert_close(spmd.to_global(p.grad), plain.grad, msg=name)
+
+
+def test_transformer_encoder_layer_training_and_its_compiled_step_keep_the_batch_sharded():
+    mesh = spmd.create_mesh([("batch", 2), ("model", 2)])
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+    dlayer = spmd.distribute_module(copy.deepcopy(layer), mesh)
+    x = torch.randn(4, 6, 8)
+    dx = spmd.copy_to_mesh(x, Layout(["batch", U, U], mesh))
+    out, collectives = issued(lambda: dlayer(dx))
+    assert collectives == [] and specs(out) == ["batch", U, U]
+    torch.testing.assert_close(spmd.to_global(out), layer(x))
+    compiled = spmd.function(lambda t: dlayer(t).square().mean(), fullgraph=True, backend="aot_eager")
+    assert [c.kind for c in compiled.explain(dx).collectives] == ["all_reduce"]  # the mean's sum over the batch
+    torch.testing.assert_close(compiled(dx).item(), layer(x).square().mean().item())
+
+
 def test_transformer_encoder_inference_with_a_padding_mask_takes_torchs_regular_path():
     """TransformerEncoder asks whether a padded batch can become a nested tensor (its fused inference path); a
     DTensor cannot, so the answer is no: the positions that are not padding equal plain torch's."""

@@ -1,0 +1,132 @@
+"""`nn.MultiheadAttention` over a sharded batch, without gathering it.
+
+torch's attention (`F.multi_head_attention_forward`) works on `[L, B, E]` and folds the sequence and the batch
+into the rows of its output projection (`[L * B, E]`). A batch sharded behind a whole sequence has no block layout
+in that fold, so the fold all-gathered the attention's output in every layer, forward and backward (a ViT or a
+`TransformerEncoder` trained data-parallel paid it per layer). Here the same computation runs batch first, with
+the batch the outer axis of every fold: the projections, the per-head split, the attention (torch's
+`scaled_dot_product_attention`, or its explicit softmax where the weights are returned) and the output
+projection keep the batch sharded, with no collective. The masks are merged as torch merges them.
+
+Taken where the batch is sharded, unless torch would take its fused inference kernel (which has a rule of its
+own); torch's own forward runs otherwise, and for what this path does not cover (unbatched inputs,
+`add_bias_kv`, `add_zero_attn`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from spmd.dtensor import DTensor
+from spmd.layout import UNSHARDED
+
+
+def sharded_batch_forward(mha: nn.MultiheadAttention, args: tuple, kwargs: dict):
+    """`mha(*args, **kwargs)` batch first where the batch is sharded; None where torch's forward should run."""
+    call = _bind(*args, **kwargs)
+    query = call["query"]
+    batch_axis = 0 if mha.batch_first else 1
+    if not isinstance(query, DTensor) or query.dim() != 3 or mha.bias_k is not None or mha.add_zero_attn or \
+            query._layout.sharding_specs[batch_axis] == UNSHARDED or _takes_the_fused_path(mha, call):
+        return None
+    query, key, value = _batch_first(mha, call["query"], call["key"], call["value"])
+    out, weights = _attention(mha, query, key, value, call["key_padding_mask"], call["need_weights"],
+                              call["attn_mask"], call["average_attn_weights"], call["is_causal"])
+    return (out if mha.batch_first else out.transpose(0, 1)), weights
+
+
+def _bind(query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None, average_attn_weights=True,
+          is_causal=False) -> dict:  # (nn.MultiheadAttention.forward's arguments)
+    return locals()
+
+
+def _takes_the_fused_path(mha, call: dict) -> bool:
+    """Whether torch's forward would take its fused inference kernel (`_native_multi_head_attention`, which keeps
+    the batch sharded: engine/rules/fused_layers.py), by its main conditions."""
+    query = call["query"]
+    masks = [m for m in (call["attn_mask"], call["key_padding_mask"]) if m is not None]
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, *mha.parameters()))
+    return not (mha.training or grad or torch.is_autocast_enabled() or any(m.is_floating_point() for m in masks)) \
+        and query is call["key"] is call["value"] and mha.batch_first and mha._qkv_same_embed_dim \
+        and mha.num_heads % 2 == 0 and torch.backends.mha.get_fastpath_enabled()
+
+
+def _batch_first(mha, query, key, value):
+    """The inputs `[B, L, E]`, each tensor passed twice still one object (the projections take the same path as
+    torch's: one product for self-attention)."""
+    if mha.batch_first:
+        return query, key, value
+    moved = {}
+    return tuple(moved.setdefault(id(t), t.transpose(0, 1)) for t in (query, key, value))
+
+
+def _attention(mha, query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights, is_causal):
+    batch, length, embed = query.shape
+    source, heads = key.shape[1], mha.num_heads
+    head_dim = embed // heads
+    key_padding_mask = F._canonical_mask(mask=key_padding_mask, mask_name="key_padding_mask",
+                                         other_type=F._none_or_dtype(attn_mask), other_name="attn_mask",
+                                         target_type=query.dtype)
+    if is_causal and attn_mask is None:
+        raise RuntimeError("Need attn_mask if specifying the is_causal hint. You may use the Transformer module "
+                           "method `generate_square_subsequent_mask` to create this mask.")
+    if is_causal and key_padding_mask is None and not need_weights:
+        attn_mask = None  # (SDPA's causal kernel)
+    else:
+        attn_mask = F._canonical_mask(mask=attn_mask, mask_name="attn_mask", other_type=None, other_name="",
+                                      target_type=query.dtype, check_other=False)
+        if key_padding_mask is not None:
+            is_causal = False
+    q, k, v = _projected(mha, query, key, value)
+    q, k, v = (t.view(batch, t.shape[1], heads, head_dim).transpose(1, 2) for t in (q, k, v))  # [B, H, L, hd]
+    mask = _merged_mask(attn_mask, key_padding_mask, batch, heads, length, source)
+    dropout = mha.dropout if mha.training else 0.0
+    weights = None
+    if need_weights:
+        scores = torch.matmul(q * math.sqrt(1.0 / head_dim), k.transpose(-2, -1))
+        weights = F.softmax(scores if mask is None else scores + mask, dim=-1)
+        if dropout > 0.0:
+            weights = F.dropout(weights, p=dropout)  # (returned so, as torch does)
+        out = torch.matmul(weights, v)
+        if average_attn_weights:
+            weights = weights.mean(dim=1)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, mask, dropout, is_causal)
+    out = F.linear(out.transpose(1, 2).reshape(batch, length, embed), mha.out_proj.weight, mha.out_proj.bias)
+    return out, weights
+
+
+def _projected(mha, query, key, value):
+    if mha._qkv_same_embed_dim:
+        return F._in_projection_packed(query, key, value, mha.in_proj_weight, mha.in_proj_bias)
+    biases = (None,) * 3 if mha.in_proj_bias is None else mha.in_proj_bias.chunk(3)
+    return F._in_projection(query, key, value, mha.q_proj_weight, mha.k_proj_weight, mha.v_proj_weight, *biases)
+
+
+def _merged_mask(attn_mask, key_padding_mask, batch, heads, length, source):
+    """torch's merged mask, broadcastable to `[B, H, L, S]`: an `[L, S]` or `[B * H, L, S]` attention mask plus
+    the `[B, S]` key padding mask."""
+    if attn_mask is not None:
+        if attn_mask.dim() == 2:
+            if tuple(attn_mask.shape) != (length, source):
+                raise RuntimeError(f"The shape of the 2D attn_mask is {attn_mask.shape}, but should be "
+                                   f"{(length, source)}.")
+            attn_mask = attn_mask.view(1, 1, length, source)
+        elif attn_mask.dim() == 3:
+            if tuple(attn_mask.shape) != (batch * heads, length, source):
+                raise RuntimeError(f"The shape of the 3D attn_mask is {attn_mask.shape}, but should be "
+                                   f"{(batch * heads, length, source)}.")
+            attn_mask = attn_mask.view(batch, heads, length, source)
+        else:
+            raise RuntimeError(f"attn_mask's dimension {attn_mask.dim()} is not supported")
+    if key_padding_mask is None:
+        return attn_mask
+    if tuple(key_padding_mask.shape) != (batch, source):
+        raise AssertionError(f"expecting key_padding_mask shape of {(batch, source)}, but got "
+                             f"{key_padding_mask.shape}")
+    padding = key_padding_mask.view(batch, 1, 1, source)
+    return padding if attn_mask is None else attn_mask + padding
