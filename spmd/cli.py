@@ -18,15 +18,15 @@ from rich.table import Table
 import spmd
 from spmd import UNSHARDED, Layout
 from spmd.demo.train import DemoArgs, check_args, load_corpus, parse_mesh, run
-from spmd.mesh import short_device_name
+from spmd.mesh import short_device_names
 
 
 def _components(console: Console, title: str, t: spmd.DTensor) -> None:
     table = Table(title=f"{title}  layout={spmd.fetch_layout(t).sharding_specs}  global shape={tuple(t.shape)}")
     table.add_column("device")
     table.add_column("component")
-    for device, component in zip(spmd.fetch_layout(t).mesh.local_devices(), spmd.unpack(t)):
-        table.add_row(short_device_name(device), str(component.tolist()))
+    for device, component in zip(short_device_names(spmd.fetch_layout(t).mesh.local_devices()), spmd.unpack(t)):
+        table.add_row(device, str(component.tolist()))
     console.print(table)
 
 

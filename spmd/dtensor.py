@@ -19,7 +19,7 @@ from spmd import shards
 from spmd.collectives.local import one_copy, share, shared, traced
 from spmd.errors import LayoutError, MixedTensorError, UnsupportedOpError
 from spmd.layout import Layout
-from spmd.mesh import short_device_name
+from spmd.mesh import short_device_names
 from spmd.ops import relayout_op
 from spmd.tracing import prepare_dynamo
 
@@ -265,7 +265,7 @@ class DTensor(torch.Tensor):
         elif layout.is_fully_replicated():
             value = _format(self._local[0])
         else:
-            names = [short_device_name(d) for d in layout.mesh.local_devices()]
+            names = short_device_names(layout.mesh.local_devices())
             value = "{" + ", ".join(f'"{n}": {_format(c)}' for n, c in zip(names, self._local)) + "}"
         grad = ", requires_grad=True" if self.requires_grad else ""
         return (f'DTensor({value}, layout="{layout.to_string()}", shape={tuple(self.shape)}, '

@@ -69,6 +69,16 @@ def short_device_name(device: str) -> str:
     return device.rsplit("/device:", 1)[-1]
 
 
+def short_device_names(devices: Sequence[str]) -> list[str]:
+    """Each device's short name where those are distinct (`'CPU:3'`); else with its task (`'task:1/CPU:3'`: the
+    devices of several clients or workers), or the full names."""
+    for short in ([short_device_name(d) for d in devices],
+                  [d.rsplit("/", 2)[-2] + "/" + short_device_name(d) if d.count("/") >= 2 else d for d in devices]):
+        if len(set(short)) == len(short):
+            return short
+    return list(devices)
+
+
 class Mesh:
     """A cartesian grid of devices whose dimensions have names.
 

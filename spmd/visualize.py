@@ -7,7 +7,7 @@ from rich.console import Console
 from rich.table import Table
 
 from spmd.dtensor import DTensor, fetch_layout
-from spmd.mesh import short_device_name
+from spmd.mesh import short_device_names
 
 _COLORS = ["on dark_blue", "on dark_green", "on dark_red", "on purple4", "on dark_orange3", "on deep_sky_blue4",
            "on dark_olive_green3", "on grey37"]
@@ -16,7 +16,7 @@ _COLORS = ["on dark_blue", "on dark_green", "on dark_red", "on purple4", "on dar
 def _holders(t: DTensor) -> dict[tuple, list[str]]:
     """Shard index (per tensor axis) -> names of the devices holding that block, in mesh order."""
     mesh = fetch_layout(t).mesh
-    names = {i: short_device_name(d) for i, d in zip(mesh.local_device_ids(), mesh.local_devices())}
+    names = dict(zip(mesh.local_device_ids(), short_device_names(mesh.local_devices())))
     holders: dict[tuple, list[str]] = {}
     for offset, shard in enumerate(fetch_layout(t).offset_to_shard()):
         device_id = mesh.min_global_device_id() + offset

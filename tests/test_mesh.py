@@ -343,3 +343,12 @@ def test_from_string_checks_consecutive_ids():
     # stricter than TF's parser, which leaves that check to the Python constructor
     with pytest.raises(ValueError, match="sequentially increase"):
         Mesh.from_string("|x=2|0,2|0,2|" + ",".join(full("CPU", 2)))
+
+
+def test_short_device_names_are_distinct():
+    from spmd.mesh import short_device_names
+    local = [f"/job:localhost/replica:0/task:0/device:CPU:{i}" for i in range(2)]
+    assert short_device_names(local) == ["CPU:0", "CPU:1"]
+    workers = [f"/job:worker/replica:0/task:{t}/device:CPU:{i}" for t in range(2) for i in range(2)]
+    assert short_device_names(workers) == ["task:0/CPU:0", "task:0/CPU:1", "task:1/CPU:0", "task:1/CPU:1"]
+    assert short_device_names(["CPU:0", "CPU:0"]) == ["CPU:0", "CPU:0"]

@@ -555,6 +555,36 @@ def test_multihead_attention_fast_path_keeps_the_batch_sharded(masks, need_weigh
         assert weights is None
 
 
+def test_norms_over_a_sharded_hidden_axis_keep_it_sharded():
+    """LayerNorm over hidden units sharded over `model` (weight and bias sharded alike) all-reduces the rows'
+    sums (mean, then variance) and, backward, the input gradient's two sums in one; GroupNorm with the channels
+    sharded at group boundaries normalises each device's groups, no collective. Neither gathers the input."""
+    mesh = spmd.create_mesh([("batch", 2), ("model", 2)])
+    torch.manual_seed(0)
+    for module, shape in ((nn.LayerNorm(8), (4, 6, 8)), (nn.GroupNorm(4, 8), (4, 8, 3))):
+        hidden = 2 if isinstance(module, nn.LayerNorm) else 1
+        layout = ["batch"] + [U] * (len(shape) - 1)
+        layout[hidden] = "model"
+        dmodule = spmd.distribute_module(copy.deepcopy(module), mesh, LayoutMap({".*": Layout(["model"], mesh)}))
+        x = torch.randn(shape, requires_grad=True)
+        dx = spmd.copy_to_mesh(x.detach(), Layout(layout, mesh)).requires_grad_()
+        out, forward = issued(lambda: dmodule(dx))
+        want = module(x)
+        assert specs(out) == layout
+        torch.testing.assert_close(spmd.to_global(out), want)
+        grad = torch.randn(shape)
+        _, backward = issued(lambda: out.backward(spmd.copy_to_mesh(grad, Layout(layout, mesh))))
+        want.backward(grad)
+        torch.testing.assert_close(spmd.to_global(dx.grad), x.grad)
+        for p, plain in zip(dmodule.parameters(), module.parameters()):
+            torch.testing.assert_close(spmd.to_global(p.grad), plain.grad)
+        if isinstance(module, nn.LayerNorm):
+            assert forward == [("all_reduce", ("model",))] * 2
+            assert backward == [("all_reduce", ("model",))] + [("all_reduce", ("batch",))] * 2
+        else:
+            assert forward == [] and backward == [("all_reduce", ("batch",))] * 2
+
+
 @pytest.mark.parametrize("batch_first", [True, False], ids=["batch_first", "sequence_first"])
 @pytest.mark.parametrize("masks", ["none", "key_padding", "causal", "both"])
 @pytest.mark.parametrize("need_weights", [False, True])

@@ -142,6 +142,10 @@ CASES = {
     "layer_norm_rank1": (lambda x, w, b: F.layer_norm(x, (4,), w, b), [rand(4), rand(4, seed=1), rand(4, seed=2)]),
     "layer_norm_2d_affine": pytest.param((lambda x, w, b: F.layer_norm(x, (2, 4), w, b),
                                           [rand(4, 2, 4), rand(2, 4, seed=1), rand(2, 4, seed=2)]), marks=slow),
+    # channels sharded at group boundaries (4 groups over 2 or 4 devices) stay sharded; across a group, gathered
+    "group_norm_affine": (lambda x, w, b: F.group_norm(x, 4, w, b), [rand(4, 4, 3), rand(4, seed=1),
+                                                                     rand(4, seed=2)]),
+    "group_norm_2_groups": (lambda x: F.group_norm(x, 2), [rand(4, 4, 3)]),
     "embedding_1d": (lambda t, i: F.embedding(i, t), [rand(8, 4), _ids((4,), 8)]),
     "embedding_2d": (lambda t, i: F.embedding(i, t), [rand(8, 4), _ids((4, 2), 8)]),
     "embedding_repeated": (lambda t, i: F.embedding(i, t), [rand(8, 4), torch.tensor([[1, 1], [6, 1]])]),

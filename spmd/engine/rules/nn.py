@@ -18,6 +18,7 @@ from spmd.engine.rules.common import (REDUCED_PRECISION, block_starts, check_in_
                                       per_device, replace_tensors, shard_starts)
 from spmd.engine.rules.pointwise import merge_axes
 from spmd.engine.rules.reduction import arg
+from spmd.mesh import axis_dims
 
 aten = torch.ops.aten
 
@@ -26,11 +27,30 @@ def _batch_dims(axes) -> tuple:
     return tuple(m for m in axes if m is not None)
 
 
+def _normalized_dims(x: TensorSpec, n: int) -> tuple:
+    """The mesh dims that shard the `n` normalised (last) axes of `x`."""
+    return tuple(d for m in x.axes[x.rank - n:] if m is not None for d in axis_dims(m))
+
+
+def _stats_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype of torch's layer norm statistics: the input's on the CPU, float32 for half precision elsewhere."""
+    return torch.float32 if x.dtype in REDUCED_PRECISION and x.device.type != "cpu" else x.dtype
+
+
+def _affine_view(t: torch.Tensor, rank: int) -> torch.Tensor:
+    """Stacked weight or bias components (L, *normalised) viewed to broadcast over (L, *leading, *normalised)."""
+    return t.view(t.shape[:1] + (1,) * (rank - t.dim()) + t.shape[1:])
+
+
 @register(aten.native_layer_norm.default, blockwise=True)
 def layer_norm_rule(call: OpCall) -> Decision:
-    """Normalised axes must be whole on each device; weight and bias are replicated; other axes keep sharding."""
+    """Normalised axes whole on each device, weight and bias replicated, other axes keep their sharding; or, where
+    the normalised axes are sharded, they stay so, with weight and bias sharded alike: the mean and the variance
+    (two passes) are all-reduced sums over those mesh dims."""
     x = call.specs[0]
     n = len(arg(call, "normalized_shape"))
+    if _normalized_dims(x, n):
+        return _sharded_layer_norm(call, x, n)
     axes = x.axes[:x.rank - n] + (None,) * n
     replicated = tuple((None,) * s.rank for s in call.specs[1:])
     stats = axes[:x.rank - n] + (None,) * n
@@ -42,11 +62,36 @@ def layer_norm_rule(call: OpCall) -> Decision:
     return Decision((axes,) + replicated, (axes, stats, stats), kernel, single=False)
 
 
+def _sharded_layer_norm(call: OpCall, x: TensorSpec, n: int) -> Decision:
+    reduced, count, eps = _normalized_dims(x, n), math.prod(arg(call, "normalized_shape")), arg(call, "eps")
+    has_w, has_b = (isinstance(arg(call, name), TensorSpec) for name in ("weight", "bias"))
+    dims = tuple(range(x.rank + 1 - n, x.rank + 1))
+    stats = x.axes[:x.rank - n] + (None,) * n
+
+    def kernel(l, a, k, run):
+        xl, rest = l[0], iter(l[1:])
+        xf = xl.float() if xl.dtype in REDUCED_PRECISION else xl  # (torch's kernel accumulates in float32)
+        mean = run(0, xf.sum(dims, keepdim=True)) / count
+        rstd = torch.rsqrt(run(1, (xf - mean).square().sum(dims, keepdim=True)) / count + eps)
+        out = (xf - mean) * rstd
+        if has_w:
+            out = out * _affine_view(next(rest), xl.dim())
+        if has_b:
+            out = out + _affine_view(next(rest), xl.dim())
+        return out.to(xl.dtype), mean.to(_stats_dtype(xl)), rstd.to(_stats_dtype(xl))
+    params = tuple(x.axes[x.rank - n:] for _ in range(int(has_w) + int(has_b)))
+    collective = Collective(Kind.ALL_REDUCE, reduced, op="sum")
+    return Decision((x.axes,) + params, (x.axes, stats, stats), kernel, single=False,
+                    collectives=(collective, collective))
+
+
 @register(aten.native_layer_norm_backward.default, blockwise=True)
 def layer_norm_backward_rule(call: OpCall) -> Decision:
     x = call.specs[1]
     normalized, _, _, weight, bias, mask = call.args[2:8]
     n = len(normalized)
+    if _normalized_dims(x, n):
+        return _sharded_layer_norm_backward(call, x, n)
     axes = x.axes[:x.rank - n] + (None,) * n
     params = (None,) * n
     reduced = _batch_dims(axes)
@@ -73,6 +118,40 @@ def layer_norm_backward_rule(call: OpCall) -> Decision:
     outputs = tuple(ax if want else None for ax, want in zip((axes, params, params), wanted))
     reduce = tuple(reduced if want and i else () for i, want in enumerate(wanted))
     return Decision(tuple(inputs), outputs, kernel, reduce=reduce, single=False)
+
+
+def _sharded_layer_norm_backward(call: OpCall, x: TensorSpec, n: int) -> Decision:
+    """The input's gradient needs two sums over the normalised axes (of g·w and g·w·x̂): one all-reduce of both over
+    their mesh dims; the weight's and bias' gradients keep their sharding, pending over the leading axes' dims."""
+    normalized, _, _, weight, bias, mask = call.args[2:8]
+    reduced, count = _normalized_dims(x, n), math.prod(normalized)
+    has_w, has_b = weight is not None, bias is not None
+    dims = tuple(range(x.rank + 1 - n, x.rank + 1))
+    lead = tuple(range(1, x.rank + 1 - n))  # per device: sum over the local leading axes, not the stack axis
+    stats = x.axes[:x.rank - n] + (None,) * n
+    params = x.axes[x.rank - n:]
+
+    def kernel(l, a, k, run):
+        g, xl, mean, rstd = l[:4]
+        gf = g.float() if g.dtype in REDUCED_PRECISION else g
+        normed = ((xl.float() if xl.dtype in REDUCED_PRECISION else xl) - mean) * rstd
+        gx = gw = gb = None
+        if mask[0]:
+            scaled = gf * _affine_view(l[4], g.dim()) if has_w else gf
+            sums = run(0, torch.cat([scaled.sum(dims, keepdim=True), (scaled * normed).sum(dims, keepdim=True)], -1))
+            gx = (rstd * (scaled - sums[..., :1] / count - normed * sums[..., 1:] / count)).to(g.dtype)
+        if mask[1] and has_w:
+            gw = (gf * normed).sum(lead).to(g.dtype) if lead else (gf * normed).to(g.dtype)
+        if mask[2] and has_b:
+            gb = gf.sum(lead).to(g.dtype) if lead else gf.to(g.dtype)
+        return gx, gw, gb
+    inputs = (x.axes, x.axes, stats, stats) + (params,) * (int(has_w) + int(has_b))
+    wanted = (mask[0], mask[1] and has_w, mask[2] and has_b)
+    outputs = tuple(ax if want else None for ax, want in zip((x.axes, params, params), wanted))
+    leading = _batch_dims(x.axes[:x.rank - n])
+    reduce = tuple(leading if want and i else () for i, want in enumerate(wanted))
+    return Decision(inputs, outputs, kernel, reduce=reduce, single=False,
+                    collectives=(Collective(Kind.ALL_REDUCE, reduced, op="sum"),))
 
 
 @register(aten.embedding.default, blockwise=True)
@@ -455,60 +534,77 @@ def batch_norm_backward_rule(call: OpCall) -> Decision:
 
 
 # -- group norm ------------------------------------------------------------------------------------------------------
-def _group_norm_layout(x: TensorSpec) -> tuple:
+def _group_norm_layout(call: OpCall, x: TensorSpec, groups: int) -> tuple:
     """Statistics per (sample, group) over the group's channels and every spatial axis: the batch axis keeps its
-    sharding, the others are whole (a channel shard would split a group's statistics)."""
-    return (x.axes[0],) + (None,) * (x.rank - 1)
+    sharding, the spatial axes are whole, and so are the channels, unless each device holds whole groups."""
+    channels = x.axes[1] if x.rank > 1 and x.axes[1] is not None and groups % call.shards(x.axes[1]) == 0 else None
+    return (x.axes[0], channels) + (None,) * (x.rank - 2)
 
 
 @register(aten.native_group_norm.default)
 def group_norm_rule(call: OpCall) -> Decision:
-    """Every device normalises its own samples: the stack axis is folded into the batch, no collective."""
+    """Every device normalises its own samples (the stack axis folded into the batch), and its own groups where
+    the channels are sharded at group boundaries (then the affine weight and bias are each device's own, applied
+    after torch's kernel): no collective."""
     x = call.specs[0]
-    axes = _group_norm_layout(x)
+    channels_total, spatial, groups, eps = call.args[4:8]
+    axes = _group_norm_layout(call, x, groups)
+    shards = call.shards(axes[1]) if axes[1] is not None else 1
     has = [isinstance(arg(call, n), TensorSpec) for n in ("weight", "bias")]
-    params = tuple((None,) for h in has if h)
+    params = tuple((axes[1],) for h in has if h)
 
     def kernel(l, a, k):
         xl, rest = l[0], iter(l[1:])
-        weight, bias = (next(rest)[0] if h else None for h in has)
+        weight, bias = (next(rest) if h else None for h in has)
+        per_device = shards > 1 and xl.shape[0] > 1  # (each device's own channels of weight and bias)
         # (the kernel wants contiguous input, as torch's group_norm gives it: a gathered channel axis is not)
-        out, mean, rstd = aten.native_group_norm.default(xl.flatten(0, 1).contiguous(), weight, bias,
-                                                         xl.shape[0] * xl.shape[1], *a[4:])
-        per_device = (xl.shape[0], -1)
-        return out.view(xl.shape), mean.unflatten(0, per_device), rstd.unflatten(0, per_device)
-    stats = (x.axes[0], None)
+        out, mean, rstd = aten.native_group_norm.default(
+            xl.flatten(0, 1).contiguous(), None if per_device or weight is None else weight[0],
+            None if per_device or bias is None else bias[0], xl.shape[0] * xl.shape[1], channels_total // shards,
+            spatial, groups // shards, eps)
+        out = out.view(xl.shape)
+        if per_device:
+            affine = (xl.shape[0], 1, -1) + (1,) * (xl.dim() - 3)
+            out = out * weight.view(affine) if weight is not None else out
+            out = out + bias.view(affine) if bias is not None else out
+        stats_of = (xl.shape[0], -1)
+        return out, mean.unflatten(0, stats_of), rstd.unflatten(0, stats_of)
+    stats = (x.axes[0], axes[1])
     return Decision((axes,) + params, (axes, stats, stats), kernel, single=False)
 
 
 @register(aten.native_group_norm_backward.default)
 def group_norm_backward_rule(call: OpCall) -> Decision:
     """The input's gradient per sample (folded as the forward); the weight's and bias' gradients are each
-    device's sums over its samples, pending over the batch's mesh dim."""
+    device's sums over its samples, pending over the batch's mesh dim (sharded as the channels are)."""
     x = call.specs[1]
-    axes = _group_norm_layout(x)
     has_w = isinstance(arg(call, "weight"), TensorSpec)
     mask, groups = list(arg(call, "output_mask")), arg(call, "group")
-    stats = (x.axes[0], None)
-    inputs = (axes, axes, stats, stats) + (((None,),) if has_w else ())
+    axes = _group_norm_layout(call, x, groups)
+    shards = call.shards(axes[1]) if axes[1] is not None else 1
+    channels, spatial = arg(call, "C") // shards, arg(call, "HxW")
+    stats = (x.axes[0], axes[1])
+    inputs = (axes, axes, stats, stats) + (((axes[1],),) if has_w else ())
 
     def kernel(l, a, k):
         g, xl, mean, rstd = l[:4]
-        weight = l[4][0] if has_w else None
+        weight = l[4] if has_w else None
         n_local, n = xl.shape[:2]
-        if not (mask[1] or mask[2]):  # the input's gradient alone: every device's samples in one call
+        if not (mask[1] or mask[2]) and (shards == 1 or weight is None):  # every device's samples in one call
             gx = aten.native_group_norm_backward.default(
                 g.flatten(0, 1).contiguous(), xl.flatten(0, 1).contiguous(), mean.flatten(0, 1), rstd.flatten(0, 1),
-                weight, n_local * n, xl.shape[2], a[7], groups, [True, False, False])[0]
+                None if weight is None else weight[0], n_local * n, channels, spatial, groups // shards,
+                [True, False, False])[0]
             return gx.view(xl.shape), None, None
-        # the weight's and bias' gradients summed over each device's samples as torch's kernel sums them (in
-        # float32 for a reduced-precision input), then pending over the batch's mesh dim
+        # per device (its own weight; the weight's and bias' gradients summed over its samples as torch's kernel
+        # sums them, in float32 for a reduced-precision input), then pending over the batch's mesh dim
         outs = [aten.native_group_norm_backward.default(g[d].contiguous(), xl[d].contiguous(), mean[d], rstd[d],
-                                                        weight, n, xl.shape[2], a[7], groups, mask)
+                                                        None if weight is None else weight[d], n, channels, spatial,
+                                                        groups // shards, mask)
                 for d in range(n_local)]
         return tuple(None if o[0] is None else torch.stack(o) for o in zip(*outs))
     pending = (x.axes[0],) if x.axes[0] is not None else ()
-    outputs = (axes if mask[0] else None, (None,) if mask[1] else None, (None,) if mask[2] else None)
+    outputs = (axes if mask[0] else None, (axes[1],) if mask[1] else None, (axes[1],) if mask[2] else None)
     reduce = ((), pending if mask[1] else (), pending if mask[2] else ())
     return Decision(inputs, outputs, kernel, reduce=reduce, single=False)
 
