@@ -46,21 +46,25 @@ from spmd.forbidden import Forbidding
 
 
 # -- the state a step uses -------------------------------------------------------------------------------------------
-def _roots(fn, args, kwargs) -> tuple[list[nn.Module], list[torch.optim.Optimizer], list[DTensor]]:
+def _roots(fn, args, kwargs) -> tuple[list[nn.Module], list[torch.optim.Optimizer], list[DTensor], list]:
     """The modules, optimizers and DTensors (a DVariable) a step uses: among its arguments, its closure's
     variables, the globals its code names and, for a bound method or partial, its object's attributes and bound
-    arguments (and in lists, tuples and dicts of those)."""
+    arguments (and in lists, tuples and dicts of those); and where each was found in something the user may rebind
+    (a dict entry, a global, an attribute, a list item, a closure cell), as (container, key, object)."""
     seen: dict[int, Any] = {}
+    bindings: list = []
 
-    def visit(obj, depth: int) -> None:
+    def visit(obj, depth: int, container=None, key=None) -> None:
         if isinstance(obj, (nn.Module, torch.optim.Optimizer, DTensor)):
             seen.setdefault(id(obj), obj)
+            if container is not None:
+                bindings.append((container, key, obj))
         elif isinstance(obj, (list, tuple)) and depth:
-            for o in obj:
-                visit(o, depth - 1)
+            for i, o in enumerate(obj):
+                visit(o, depth - 1, *((obj, i) if isinstance(obj, list) else (None, None)))
         elif isinstance(obj, dict) and depth:
-            for o in obj.values():
-                visit(o, depth - 1)
+            for k, o in list(obj.items()):
+                visit(o, depth - 1, obj, k)
         elif isinstance(obj, functools.partial) and depth:
             visit(obj.func, depth - 1)
             visit(obj.args, depth - 1)
@@ -70,17 +74,35 @@ def _roots(fn, args, kwargs) -> tuple[list[nn.Module], list[torch.optim.Optimize
             visit(obj.__self__, depth - 1)  # (a module: its own parameters)
             visit(getattr(obj.__self__, "__dict__", {}), depth - 1)  # (its attributes: an optimizer)
         elif hasattr(obj, "__code__") and depth:  # a function
-            visit([c.cell_contents for c in obj.__closure__ or () if _filled(c)], depth - 1)
-            visit([obj.__globals__[n] for n in obj.__code__.co_names if n in obj.__globals__], depth - 1)
+            for cell in obj.__closure__ or ():
+                if _filled(cell):
+                    visit(cell.cell_contents, depth - 1, cell)
+            for name in obj.__code__.co_names:
+                if name in obj.__globals__:
+                    visit(obj.__globals__[name], depth - 1, obj.__globals__, name)
             visit([obj.__defaults__ or (), obj.__kwdefaults__ or {}], depth - 1)
         elif depth and _plain_object(obj):  # a user's object holding them (a trainer's `self.model`)
             visit(vars(obj), depth - 1)
 
     visit((args, kwargs), 3)
+    bindings.clear()  # (a call's own arguments: the signature covers them)
     visit(fn, 4)  # (a function, its globals, a trainer object among them, its attributes)
     found = list(seen.values())
     return ([m for m in found if isinstance(m, nn.Module)], [o for o in found if isinstance(o, torch.optim.Optimizer)],
-            [t for t in found if isinstance(t, DTensor)])
+            [t for t in found if isinstance(t, DTensor)], bindings)
+
+
+def _still_bound(bindings: list) -> bool:
+    """Whether every place a step's module, optimizer or DTensor was found still holds that object (a step that
+    reaches `state["optimizer"]` must not keep updating with the optimizer the entry held when it was traced)."""
+    for container, key, obj in bindings:
+        try:
+            held = container.cell_contents if key is None else container[key]
+        except (KeyError, IndexError, ValueError):
+            return False
+        if held is not obj:
+            return False
+    return True
 
 
 def _plain_object(obj) -> bool:
@@ -104,8 +126,9 @@ class _State:
     state), plain tensors held in a dict (an optimizer's step counts, plain buffers) and the gradients the
     parameters have when the step starts (read from `.grad` at each call: a step may leave new ones)."""
 
-    def __init__(self, modules: list[nn.Module], optimizers: list[torch.optim.Optimizer], named: list[DTensor]):
-        self.modules, self.optimizers = modules, optimizers
+    def __init__(self, modules: list[nn.Module], optimizers: list[torch.optim.Optimizer], named: list[DTensor],
+                 bindings: list):
+        self.modules, self.optimizers, self.bindings = modules, optimizers, bindings
         params = {id(p): p for m in modules for p in m.parameters()}
         params |= {id(p): p for o in optimizers for g in o.param_groups for p in g["params"]}
         self.params = list(params.values())
@@ -133,8 +156,9 @@ class _State:
         return tuple((id(holder), id(t) if isinstance(t, DTensor) else None) for holder, _, t in self._held())
 
     def is_live(self) -> bool:
-        """Whether the modules and optimizers still hold this state (`load_state_dict` replaces it)."""
-        return self._identity() == self.identity
+        """Whether the step still reaches these modules and optimizers, and they still hold this state
+        (`load_state_dict` replaces it)."""
+        return _still_bound(self.bindings) and self._identity() == self.identity
 
     def _held(self):
         for m in self.modules:
