@@ -615,3 +615,29 @@ def test_an_optimizer_replaced_where_the_step_finds_it_is_the_one_the_step_uses(
 
 
 _GLOBAL_OPT = None
+
+
+@pytest.mark.parametrize("table", ["replicated", "vocabulary_sharded"])
+def test_an_embedding_with_max_norm_trains_in_a_whole_step_as_plain_torch(table):
+    """`nn.Embedding(max_norm=...)` rescales the rows its indices name: inside a trace the named rows are a mask,
+    not a list whose length depends on the values."""
+    mesh = spmd.create_mesh([("batch", 2), ("model", 2)])
+    torch.manual_seed(0)
+    plain = nn.Embedding(10, 4, max_norm=1.0)
+    model = spmd.distribute_module(copy.deepcopy(plain), mesh, spmd.LayoutMap(
+        {"weight": Layout(["model" if table == "vocabulary_sharded" else U, U], mesh)}))
+    plain_opt, opt = (torch.optim.SGD(m.parameters(), lr=0.5) for m in (plain, model))
+
+    def step(ids, module=model, optimizer=opt):
+        loss = module(ids).square().mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+    whole = spmd.function(step, whole_step=True, backend="aot_eager")
+    for i in range(4):
+        ids = torch.tensor([[1, 2, 3, 1], [7, 2, 9, 9]][i % 2])
+        want = step(ids, plain, plain_opt)
+        torch.testing.assert_close(gather(whole(spmd.copy_to_mesh(ids, Layout(["batch"], mesh)))), want.detach())
+    assert whole.experimental_get_tracing_count() == 1
+    torch.testing.assert_close(gather(model.weight), plain.weight.detach())

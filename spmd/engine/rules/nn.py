@@ -201,8 +201,19 @@ def embedding_renorm_rule(call: OpCall) -> Decision:
     starts = block_starts(call, vocab_dim, rows)
     max_norm, norm_type = call.args[2:4]
 
+    first_rows = constant(lambda: torch.tensor(starts, device=call.mesh.torch_device).view(-1, 1))
+
     def kernel(l, a, k):
         weight, ids = l
+        if type(weight) is not torch.Tensor:  # inside a trace: the rows named, as a mask (no value-shaped result)
+            held = weight.shape[0]  # (a replicated table may be one copy that every device shares)
+            local = ids.flatten(1)[:held] - first_rows(ids)[:held]
+            inside = (local >= 0) & (local < rows)
+            named = torch.zeros(weight.shape[:2], dtype=torch.int32, device=weight.device).scatter_add_(
+                1, local.clamp(0, rows - 1), inside.int()) > 0
+            norms = torch.linalg.vector_norm(weight, norm_type, dim=-1)
+            scale = torch.where(named & (norms > max_norm), max_norm / (norms + 1e-7), 1.0)
+            return weight.mul_(scale.unsqueeze(-1).to(weight.dtype))
         for component, named, start in zip(weight, ids, starts):  # (the rows each device holds differ)
             local = named.flatten() - start
             aten.embedding_renorm_(component, local[(local >= 0) & (local < rows)], max_norm, norm_type)
