@@ -110,6 +110,8 @@ BAD_INDICES = {
     "x[i] = 1, negative": (lambda t, i: t.index_put_((i,), torch.tensor(1.0)), [0, -5]),
     "x[:, i] = 1": (lambda t, i: t.__setitem__((slice(None), i), 1.0), [0, 9]),
     "gather(1)": (lambda t, i: torch.gather(t, 1, i.expand(4, 2)), [0, 9]),
+    "index_add(1)": (lambda t, i: t.index_add(1, i, t[:, :2]), [0, 9]),
+    "index_fill(1)": (lambda t, i: t.index_fill(1, i, 0.0), [0, 9]),
     "scatter_(1)": (lambda t, i: t.scatter_(1, i.expand(4, 2), 1.0), [0, 9]),
     "embedding": (lambda t, i: F.embedding(i, t), [0, 4]),
     "embedding, negative": (lambda t, i: F.embedding(i, t), [0, -1]),

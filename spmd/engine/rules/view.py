@@ -567,6 +567,9 @@ def index_select_rule(call: OpCall) -> Decision:
     return Decision((axes, (picked,)), (axes[:dim] + (picked,) + axes[dim + 1:],), kernel)
 
 
+_ADDS = (aten.index_add.default, aten.index_add_.default)
+
+
 @register(aten.index_add.default, aten.index_copy.default, aten.index_reduce.default, aten.index_add_.default,
           aten.index_copy_.default, aten.index_reduce_.default)
 @zero_d_as_one_element
@@ -587,9 +590,15 @@ def index_add_rule(call: OpCall) -> Decision:
     source_axes = axes if source.rank == self_.rank else ()
     as_rows = (call.num_local,) + (1,) * self_.rank
 
+    size = self_.shape[dim]
+
     def kernel(locals_, args, kwargs):
         rows = locals_[2] if source.rank == self_.rank else locals_[2].view(as_rows)
-        return call.func(locals_[0], dim + 1, locals_[1][0].reshape(-1), rows, *args[4:], **kwargs)
+        index = locals_[1][0].reshape(-1)
+        if call.func in _ADDS:  # (torch's kernel on the stacked components words it otherwise)
+            check_in_range(index, size, RuntimeError,
+                           f"index {{}} is out of bounds for dimension {dim} with size {size}")
+        return call.func(locals_[0], dim + 1, index, rows, *args[4:], **kwargs)
     return Decision((axes, (None,) * index.rank, source_axes), (axes,), kernel, inplace=inplace)
 
 
