@@ -330,8 +330,7 @@ def _scatter_add_of_sharded_rows(call: OpCall, dim: int, axes: tuple, picked, ke
     block = self_.shape[dim] // call.shards(picked)
     view = [1] * (self_.rank + 1)
     view[0], view[dim + 1] = call.num_local, block
-    own_rows = constant(lambda: (torch.tensor(block_starts(call, picked, block), device=call.mesh.torch_device)
-                                 .view(-1, 1) + torch.arange(block, device=call.mesh.torch_device)).view(view))
+    own_rows = _block_rows(call, picked, block, view)
 
     def placed(locals_, args, kwargs):
         x = locals_[0]
@@ -391,6 +390,18 @@ def indexed_inplace_rule(call: OpCall) -> Decision:
         call.func(padded, d, index, *locals_[2:], *args[3 + len(locals_) - 2:], **kwargs)
         return local.copy_(padded.narrow(d, 0, block))
     return Decision((target,) + (whole,) * (len(specs) - 1), (target,), kernel, inplace=True)
+
+
+def _each_device(call: OpCall):
+    """Each local device's position on the stack axis, `(L, 1)`: an advanced index that picks its own component."""
+    return constant(lambda: torch.arange(call.num_local, device=call.mesh.torch_device).view(-1, 1))
+
+
+def _block_rows(call: OpCall, mesh_dims, block: int, shape: tuple):
+    """The global indices of each local device's block along an axis sharded over `mesh_dims`, `(L, block)`
+    viewed as `shape`."""
+    return constant(lambda: (torch.tensor(block_starts(call, mesh_dims, block), device=call.mesh.torch_device)
+                             .view(-1, 1) + torch.arange(block, device=call.mesh.torch_device)).view(shape))
 
 
 @register(aten.diagonal.default)
@@ -556,8 +567,7 @@ def index_select_rule(call: OpCall) -> Decision:
     if picked is None or set(axis_dims(picked)) & {d for m in axes if m is not None for d in axis_dims(m)}:
         return Decision((axes, (None,) * index.rank), (axes,),
                         lambda l, a, k: l[0].index_select(dim + 1, l[1][0].reshape(-1)))
-    devices = constant(lambda: torch.arange(call.num_local, device=call.mesh.torch_device).view(-1, 1))
-
+    devices = _each_device(call)
     size = spec.shape[dim]
 
     def kernel(locals_, args, kwargs):
@@ -616,10 +626,9 @@ def _index_add_of_sharded_rows(call: OpCall, dim: int) -> Decision | None:
         return None
     self_rows = self_.axes[dim] == picked
     block = self_.shape[dim] // call.shards(picked)
-    own_rows = constant(lambda: torch.tensor(block_starts(call, picked, block), device=call.mesh.torch_device)
-                        .view(-1, 1) + torch.arange(block, device=call.mesh.torch_device))
+    own_rows = _block_rows(call, picked, block, (call.num_local, block))
     first = first_device(call, (picked,), self_.rank)
-    devices = constant(lambda: torch.arange(call.num_local, device=call.mesh.torch_device).view(-1, 1))
+    devices = _each_device(call)
     alpha = arg(call, "alpha", 1)
 
     size = self_.shape[dim]
