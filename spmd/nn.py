@@ -23,7 +23,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from spmd import mha
+from spmd import sharded_batch
 from spmd.api import copy_to_mesh, relayout
 from spmd.buckets import DEFAULT_BUCKET_CAP_MB, bucket_gradients
 from spmd.creation import empty, zeros
@@ -362,8 +362,8 @@ class _MeshForward:
             return self._forward(args, kwargs)
 
     def _forward(self, args, kwargs):
-        if isinstance(self.module, nn.MultiheadAttention) and self.inner is None:
-            out = mha.sharded_batch_forward(self.module, args, kwargs)
+        if isinstance(self.module, (nn.MultiheadAttention, nn.EmbeddingBag)) and self.inner is None:
+            out = sharded_batch.forward(self.module, args, kwargs)
             if out is not None:
                 return out
         if isinstance(self.module, (nn.RNNBase, nn.RNNCellBase)):

@@ -631,6 +631,31 @@ def test_multihead_attention_training_keeps_the_batch_sharded(batch_first, masks
         torch.testing.assert_close(spmd.to_global(p.grad), plain.grad, msg=name)
 
 
+@pytest.mark.parametrize("mode,padding_idx,weighted", [("sum", None, False), ("sum", 2, True), ("mean", None, False),
+                                                       ("mean", 2, False), ("max", None, False), ("max", 2, False)])
+def test_embedding_bags_of_a_sharded_batch_stay_sharded(mode, padding_idx, weighted):
+    """torch flattens 2-D bags and makes their offsets itself, which no rule can split by device (the lookup ran
+    replicated): the bags are lookups reduced over their rows instead. No collective forward; the table's gradient
+    is one all-reduce over the batch."""
+    mesh = spmd.create_mesh([("batch", 2), ("model", 2)])
+    torch.manual_seed(0)
+    plain = nn.EmbeddingBag(10, 4, mode=mode, padding_idx=padding_idx).double()
+    bags = spmd.distribute_module(copy.deepcopy(plain), mesh)
+    ids = torch.tensor([[1, 2, 3], [2, 2, 2], [4, 2, 9], [0, 0, 1]])  # (a bag of padding only: zeros)
+    weights = torch.rand(4, 3, dtype=torch.float64) if weighted else None
+    rows = Layout(["batch", U], mesh)
+    out, forward = issued(lambda: bags(spmd.copy_to_mesh(ids, rows),
+                                       per_sample_weights=None if weights is None else spmd.copy_to_mesh(weights, rows)))
+    want = plain(ids, per_sample_weights=weights)
+    assert forward == [] and specs(out) == ["batch", U]
+    torch.testing.assert_close(spmd.to_global(out), want)
+    grad = torch.randn_like(want)
+    want.backward(grad)
+    _, backward = issued(lambda: (out.backward(spmd.copy_to_mesh(grad, rows)), spmd.to_global(bags.weight.grad)))
+    assert backward == [("all_reduce", ("batch",))]
+    torch.testing.assert_close(spmd.to_global(bags.weight.grad), plain.weight.grad)
+
+
 def test_transformer_encoder_layer_training_and_its_compiled_step_keep_the_batch_sharded():
     mesh = spmd.create_mesh([("batch", 2), ("model", 2)])
     torch.manual_seed(0)

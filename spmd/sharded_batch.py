@@ -1,16 +1,20 @@
-"""`nn.MultiheadAttention` over a sharded batch, without gathering it.
+"""Modules whose torch forward folds a sharded batch away, run batch first by `distribute_module` instead.
 
-torch's attention (`F.multi_head_attention_forward`) works on `[L, B, E]` and folds the sequence and the batch
-into the rows of its output projection (`[L * B, E]`). A batch sharded behind a whole sequence has no block layout
-in that fold, so the fold all-gathered the attention's output in every layer, forward and backward (a ViT or a
-`TransformerEncoder` trained data-parallel paid it per layer). Here the same computation runs batch first, with
-the batch the outer axis of every fold: the projections, the per-head split, the attention (torch's
-`scaled_dot_product_attention`, or its explicit softmax where the weights are returned) and the output
-projection keep the batch sharded, with no collective. The masks are merged as torch merges them.
+- `nn.MultiheadAttention`: torch's attention (`F.multi_head_attention_forward`) works on `[L, B, E]` and folds the
+  sequence and the batch into the rows of its output projection (`[L * B, E]`). A batch sharded behind a whole
+  sequence has no block layout in that fold, so the fold all-gathered the attention's output in every layer,
+  forward and backward (a ViT or a `TransformerEncoder` trained data-parallel paid it per layer). Here the same
+  computation runs batch first, with the batch the outer axis of every fold: the projections, the per-head split,
+  the attention (torch's `scaled_dot_product_attention`, or its explicit softmax where the weights are returned)
+  and the output projection keep the batch sharded, with no collective. The masks are merged as torch merges them.
+  Taken unless torch would take its fused inference kernel (which has a rule of its own); not for unbatched
+  inputs, `add_bias_kv` or `add_zero_attn`.
+- `nn.EmbeddingBag` of 2-D input (bags of one length): torch flattens the bags and makes their offsets itself, a
+  list of positions that no rule can split by device, so the lookup ran replicated. Here each bag is an embedding
+  lookup reduced over its row (sum, mean or max; padding entries left out, `per_sample_weights` applied), so the
+  bags stay sharded with the batch and the table's gradient is a pending sum over it.
 
-Taken where the batch is sharded, unless torch would take its fused inference kernel (which has a rule of its
-own); torch's own forward runs otherwise, and for what this path does not cover (unbatched inputs,
-`add_bias_kv`, `add_zero_attn`).
+Elsewhere torch's own forward runs.
 """
 
 from __future__ import annotations
@@ -25,8 +29,16 @@ from spmd.dtensor import DTensor
 from spmd.layout import UNSHARDED
 
 
-def sharded_batch_forward(mha: nn.MultiheadAttention, args: tuple, kwargs: dict):
-    """`mha(*args, **kwargs)` batch first where the batch is sharded; None where torch's forward should run."""
+def forward(module: nn.Module, args: tuple, kwargs: dict):
+    """`module(*args, **kwargs)` batch first where the batch is sharded; None where torch's forward should run."""
+    if isinstance(module, nn.MultiheadAttention):
+        return _attention_forward(module, args, kwargs)
+    if isinstance(module, nn.EmbeddingBag):
+        return _bags_forward(module, *args, **kwargs)
+    return None
+
+
+def _attention_forward(mha: nn.MultiheadAttention, args: tuple, kwargs: dict):
     call = _bind(*args, **kwargs)
     query = call["query"]
     batch_axis = 0 if mha.batch_first else 1
@@ -130,3 +142,26 @@ def _merged_mask(attn_mask, key_padding_mask, batch, heads, length, source):
                              f"{key_padding_mask.shape}")
     padding = key_padding_mask.view(batch, 1, 1, source)
     return padding if attn_mask is None else attn_mask + padding
+
+
+def _bags_forward(bags: nn.EmbeddingBag, input, offsets=None, per_sample_weights=None):
+    if not isinstance(input, DTensor) or input.dim() != 2 or offsets is not None or bags.sparse or \
+            input._layout.sharding_specs[0] == UNSHARDED:
+        return None
+    if per_sample_weights is not None and (bags.mode != "sum" or per_sample_weights.shape != input.shape):
+        return None  # (torch's own errors)
+    rows = F.embedding(input, bags.weight, bags.padding_idx, bags.max_norm, bags.norm_type, bags.scale_grad_by_freq)
+    kept = None if bags.padding_idx is None else (input != bags.padding_idx % bags.num_embeddings).unsqueeze(-1)
+    if bags.mode == "max":
+        if kept is None:
+            return rows.amax(1)
+        return rows.masked_fill(~kept, float("-inf")).amax(1).masked_fill(~kept.any(1), 0.0)  # (an empty bag: 0)
+    if per_sample_weights is not None:
+        rows = rows * per_sample_weights.unsqueeze(-1).to(rows.dtype)
+    if kept is not None:
+        rows = rows * kept
+    total = rows.sum(1)
+    if bags.mode == "sum":
+        return total
+    count = input.shape[1] if kept is None else kept.sum(1).clamp(min=1)
+    return total / count
