@@ -203,3 +203,19 @@ def test_topk_along_a_sharded_axis_gathers_the_candidates():
     want = torch.topk(rand(4, 8), 2, 1)
     _components_match(values, want.values)
     _components_match(indices, want.indices)
+
+
+def test_an_identity_index_over_the_sharded_batch_keeps_it_sharded():
+    """`x[arange(B)[:, None, None, None], kv[None, None, None, :]]` (a padding mask's construction) reads each
+    batch row at its own position: the batch stays sharded, with no collective. Another first index (a
+    permutation) still gathers, and both equal torch's values."""
+    value = rand(4, 6)
+    x = spmd.copy_to_mesh(value, Layout(["x", U], MESH))
+    kv = torch.tensor([0, 5, 2])
+    for first, gathers in ((torch.arange(4), False), (torch.tensor([0, 1, 3, 2]), True)):
+        index = (first[:, None, None, None], kv[None, None, None, :])
+        with spmd.implicit_replication():
+            out, collectives = issued(lambda: x[index])
+        torch.testing.assert_close(spmd.to_global(out), value[index])
+        assert (collectives == [("all_gather", ("x",))]) == gathers and (collectives == []) != gathers
+        assert spmd.fetch_layout(out).sharding_specs[0] == (U if gathers else "x")

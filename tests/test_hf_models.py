@@ -8,6 +8,7 @@ import torch
 
 import spmd
 from spmd import UNSHARDED as U, Layout, LayoutMap
+from spmd.explain import Recorder
 
 transformers = pytest.importorskip("transformers")
 
@@ -89,6 +90,41 @@ def test_trains_unchanged_like_plain_torch(mesh, build, attn, shard_parameters):
         if shard_parameters:
             mapped = spmd.fsdp.sharded_layout(mapped, tuple(p.shape), shard_parameters)
         assert spmd.fetch_layout(p) == mapped, name
+
+
+def _bert(attn):
+    config = transformers.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                                     vocab_size=64, max_position_embeddings=32, hidden_dropout_prob=0.0,
+                                     attention_probs_dropout_prob=0.0, attn_implementation=attn)
+    return transformers.BertForMaskedLM(config), {}
+
+
+@pytest.mark.parametrize("build", [_bert, _llama], ids=["bert", "llama"])
+def test_a_padded_batch_trains_data_parallel_with_only_the_gradients_sums(build):
+    """A padding mask is built as `mask[batch_idx, kv_idx]` (the batch index an arange): that index keeps the
+    batch sharded rather than gathering the mask; BERT's token type ids, a buffer expanded over the batch, take
+    the batch's sharding in the embedding's backward. Forward: only the loss's sums; backward: only all-reduces."""
+    mesh = spmd.create_mesh([("batch", 4)])
+    torch.manual_seed(0)
+    ref, _ = build("sdpa")
+    model = spmd.distribute_module(copy.deepcopy(ref), mesh, LayoutMap({}))
+    ids = torch.randint(1, 64, (4, 8), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(4, 8, dtype=torch.long)
+    mask[1, -2:] = 0
+    rows = Layout(["batch", U], mesh)
+    with Recorder() as forward:
+        loss = model(input_ids=spmd.copy_to_mesh(ids, rows), attention_mask=spmd.copy_to_mesh(mask, rows),
+                     labels=spmd.copy_to_mesh(ids, rows)).loss
+    with Recorder() as backward:
+        loss.backward()
+    want = ref(input_ids=ids, attention_mask=mask, labels=ids).loss
+    want.backward()
+    torch.testing.assert_close(loss.item(), want.item(), rtol=1e-5, atol=0)
+    assert {c.kind for c in forward.collectives} == {"all_reduce"}
+    assert {c.kind for c in backward.collectives} == {"all_reduce"}
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        if q.grad is not None and q.grad.abs().max() > 1e-6:  # (a key's bias: zero, but for rounding)
+            _close(spmd.to_global(p.grad), q.grad, name)
 
 
 def test_a_plain_batch_names_the_argument(mesh):

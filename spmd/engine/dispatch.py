@@ -30,9 +30,10 @@ from spmd.engine.decision import Decision, OpCall, TensorSpec, is_inplace, unsup
 from spmd.engine.rules.common import generic_kernel, replace_tensors
 from spmd.engine.validate import check_like_torch
 from spmd.errors import MeshMismatchError, MixedTensorError, UnsupportedOpError
-from spmd.layout import Layout
+from spmd.layout import UNSHARDED, Layout
 
 _DETACH = torch.ops.aten.detach.default
+_INDEX = torch.ops.aten.index.Tensor
 _OVERWRITES = {torch.ops.aten.copy_.default, torch.ops.aten.fill_.Scalar, torch.ops.aten.fill_.Tensor,
                torch.ops.aten.zero_.default}  # in-place ops writing their whole target
 _CACHE: dict = {}
@@ -165,6 +166,10 @@ def torch_dispatch(cls, func, types, args=(), kwargs=None):
             raise MixedTensorError(f"{func} writes into a plain tensor of shape {list(args[0].shape)} with DTensor "
                                    "inputs; a DTensor result cannot go there: write into a DTensor "
                                    "(spmd.copy_to_mesh) instead") from None
+        if func is _INDEX:
+            leading = _leading_identity_as_slice(args)
+            if leading is not None:
+                return dispatch(func, leading, kwargs)
         return dispatch(func, *_replicated_plain(func, args, kwargs or {}))
     key = tuple(key)
     plan = _CACHE.get(key)
@@ -308,6 +313,26 @@ def _replicated_plain(func, args, kwargs):
         return distributed(a, Layout.replicated(mesh, a.dim()))
 
     return pytree.tree_map(replicated, (args, kwargs))
+
+
+def _leading_identity_as_slice(args) -> tuple | None:
+    """`x[arange(n)[:, None, ...], i1, ...]` with a plain identity over `x`'s sharded first axis and the other
+    indices of size 1 along it (how HuggingFace builds a padding mask: `mask[batch_idx, kv_idx]`) is
+    `x[:, i1[0], ...]`, which keeps that axis sharded where an index over it would gather `x`. None where the call
+    is not of that form (inside a trace too: the values are not known there)."""
+    x, indices = args[0], args[1]
+    first = indices[0] if len(indices) > 1 else None
+    if not isinstance(x, DTensor) or x._layout.sharding_specs[0] == UNSHARDED or type(first) is not torch.Tensor \
+            or first.dtype not in (torch.int64, torch.int32) or any(t is None or t.dtype == torch.bool
+                                                                     for t in indices[1:]):
+        return None
+    rank = max(t.dim() for t in indices)
+    n = x.shape[0]
+    if first.dim() != rank or first.shape[0] != n or first.numel() != n or \
+            any(t.dim() == rank and t.shape[0] != 1 for t in indices[1:]) or \
+            not torch.equal(first.reshape(-1), torch.arange(n, device=first.device)):
+        return None
+    return x, [None, *(t[0] if t.dim() == rank else t for t in indices[1:])]
 
 
 def _copy_from_plain(func, args, kwargs):

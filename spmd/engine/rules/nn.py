@@ -225,10 +225,12 @@ def embedding_renorm_rule(call: OpCall) -> Decision:
 
 @register(aten.embedding_dense_backward.default, blockwise=True)
 def embedding_backward_rule(call: OpCall) -> Decision:
-    """The gradient of the whole table per device (replicated rows), summed over the mesh dims sharding the ids."""
+    """The gradient of the whole table per device (replicated rows), summed over the mesh dims sharding the ids or
+    the output's gradient (replicated ids, `token_type_ids` expanded over a sharded batch, are sliced to it)."""
     grad, idx = call.specs
     num_weights, padding_idx, scale_by_freq = call.args[2:5]
-    idx_axes = tuple(None if m == grad.axes[-1] else m for m in idx.axes)
+    rows = merge_axes([idx, TensorSpec(grad.axes[:-1], idx.shape, grad.dtype)], idx.shape)
+    idx_axes = tuple(None if m == grad.axes[-1] else m for m in rows)
     if scale_by_freq:  # the frequencies must be global: gather the ids
         idx_axes = (None,) * idx.rank
     emb_dim = grad.axes[-1]
