@@ -641,3 +641,36 @@ def test_an_embedding_with_max_norm_trains_in_a_whole_step_as_plain_torch(table)
         torch.testing.assert_close(gather(whole(spmd.copy_to_mesh(ids, Layout(["batch"], mesh)))), want.detach())
     assert whole.experimental_get_tracing_count() == 1
     torch.testing.assert_close(gather(model.weight), plain.weight.detach())
+
+
+def test_a_dtensor_the_step_reads_as_a_constant_may_index_a_sharded_table():
+    """Indices held by a module attribute that is not state (a DTensor of positions) are constants of the trace:
+    the check that they lie inside the table runs in the graph, as for any traced index."""
+    mesh = spmd.create_mesh([("batch", 1)])
+    torch.manual_seed(0)
+
+    class Positions(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.table = nn.Embedding(8, 4)
+
+        def forward(self, x):
+            return self.table(self.positions) + x
+    plain = Positions()
+    model = spmd.distribute_module(copy.deepcopy(plain), mesh)
+    plain.positions = torch.arange(8) % 4
+    model.positions = spmd.copy_to_mesh(plain.positions, Layout([U], mesh))
+    plain_opt, opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (plain, model))
+
+    def step(x, module=model, optimizer=opt):
+        loss = module(x).square().mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+    whole = spmd.function(step, whole_step=True, backend="aot_eager")
+    for _ in range(3):
+        x = torch.randn(8, 4)
+        torch.testing.assert_close(gather(whole(spmd.copy_to_mesh(x, Layout(["batch", U], mesh)))),
+                                   step(x, plain, plain_opt).detach())
+    assert whole.experimental_get_tracing_count() == 1

@@ -192,13 +192,14 @@ def check_in_range(index: torch.Tensor, size: int, error: type, message: str, ne
     inside = (index >= (-size if negative else 0)) & (index < size)
     if ignored is not None:
         inside |= index == ignored
-    if type(index) is torch.Tensor and index.device.type == "cpu":
-        if not inside.all():
+    everywhere = inside.all()
+    if type(everywhere) is torch.Tensor and everywhere.device.type == "cpu":  # (a trace makes even a constant's fake)
+        if not everywhere:
             raised = error(message.format(index[~inside][0].item()))
             raised._spmd_dims = True  # (it names the user's axis: the dispatcher leaves it as it is)
             raise raised
     else:
-        torch._assert_async(inside.all(), message.format("(some index)"))
+        torch._assert_async(everywhere, message.format("(some index)"))
 
 
 def first_device(call: OpCall, mesh_dims: tuple, rank: int) -> Callable[[torch.Tensor], torch.Tensor]:

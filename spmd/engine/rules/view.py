@@ -347,7 +347,7 @@ def _sharded_indices(call: OpCall, dim: int, axes: tuple):
     another axis is sharded over the same mesh dims."""
     specs = call.specs
     picked = specs[1].axes[dim]
-    if picked is None or set(axis_dims(picked)) & {d for m in axes if m is not None for d in axis_dims(m)}:
+    if picked is None or _shares_a_mesh_dim(picked, axes):
         return None
     if call.func is aten.gather.default:
         return picked
@@ -377,9 +377,7 @@ def indexed_inplace_rule(call: OpCall) -> Decision:
     whole = tuple(None if i == dim else a for i, a in enumerate(target))
     block = specs[0].shape[dim] // call.shards(m)
     starts = shard_starts(call, m, block, specs[0].rank)
-    d = dim + 1
-
-    size = specs[0].shape[dim]
+    d, size = dim + 1, specs[0].shape[dim]
 
     def kernel(locals_, args, kwargs):
         check_in_range(locals_[1], size, RuntimeError,
@@ -390,6 +388,11 @@ def indexed_inplace_rule(call: OpCall) -> Decision:
         call.func(padded, d, index, *locals_[2:], *args[3 + len(locals_) - 2:], **kwargs)
         return local.copy_(padded.narrow(d, 0, block))
     return Decision((target,) + (whole,) * (len(specs) - 1), (target,), kernel, inplace=True)
+
+
+def _shares_a_mesh_dim(sharding, axes: tuple) -> bool:
+    """Whether an axis sharded as `sharding` would use a mesh dim that one of `axes` uses already."""
+    return bool(set(axis_dims(sharding)) & {d for m in axes if m is not None for d in axis_dims(m)})
 
 
 def _each_device(call: OpCall):
@@ -564,7 +567,7 @@ def index_select_rule(call: OpCall) -> Decision:
     dim = norm_dim(arg(call, "dim"), spec.rank)
     axes = _whole(spec, {dim})
     picked = index.axes[0] if index.rank == 1 else None
-    if picked is None or set(axis_dims(picked)) & {d for m in axes if m is not None for d in axis_dims(m)}:
+    if picked is None or _shares_a_mesh_dim(picked, axes):
         return Decision((axes, (None,) * index.rank), (axes,),
                         lambda l, a, k: l[0].index_select(dim + 1, l[1][0].reshape(-1)))
     devices = _each_device(call)
@@ -599,7 +602,6 @@ def index_add_rule(call: OpCall) -> Decision:
         _merged([self_, source], skip=dim)
     source_axes = axes if source.rank == self_.rank else ()
     as_rows = (call.num_local,) + (1,) * self_.rank
-
     size = self_.shape[dim]
 
     def kernel(locals_, args, kwargs):
@@ -622,16 +624,14 @@ def _index_add_of_sharded_rows(call: OpCall, dim: int) -> Decision | None:
     if picked is None or source.rank != self_.rank or source.axes[dim] != picked:
         return None
     axes = _merged([self_, source], skip=dim)
-    if set(axis_dims(picked)) & {d for m in axes if m is not None for d in axis_dims(m)}:
+    if _shares_a_mesh_dim(picked, axes):
         return None
     self_rows = self_.axes[dim] == picked
     block = self_.shape[dim] // call.shards(picked)
     own_rows = _block_rows(call, picked, block, (call.num_local, block))
     first = first_device(call, (picked,), self_.rank)
     devices = _each_device(call)
-    alpha = arg(call, "alpha", 1)
-
-    size = self_.shape[dim]
+    alpha, size = arg(call, "alpha", 1), self_.shape[dim]
 
     def kernel(locals_, args, kwargs):
         x, rows, values = locals_[0].movedim(dim + 1, 1), locals_[1], locals_[2].movedim(dim + 1, 1)
