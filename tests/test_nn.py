@@ -644,8 +644,8 @@ def test_embedding_bags_of_a_sharded_batch_stay_sharded(mode, padding_idx, weigh
     ids = torch.tensor([[1, 2, 3], [2, 2, 2], [4, 2, 9], [0, 0, 1]])  # (a bag of padding only: zeros)
     weights = torch.rand(4, 3, dtype=torch.float64) if weighted else None
     rows = Layout(["batch", U], mesh)
-    out, forward = issued(lambda: bags(spmd.copy_to_mesh(ids, rows),
-                                       per_sample_weights=None if weights is None else spmd.copy_to_mesh(weights, rows)))
+    dweights = None if weights is None else spmd.copy_to_mesh(weights, rows)
+    out, forward = issued(lambda: bags(spmd.copy_to_mesh(ids, rows), per_sample_weights=dweights))
     want = plain(ids, per_sample_weights=weights)
     assert forward == [] and specs(out) == ["batch", U]
     torch.testing.assert_close(spmd.to_global(out), want)

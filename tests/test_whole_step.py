@@ -617,6 +617,18 @@ def test_an_optimizer_replaced_where_the_step_finds_it_is_the_one_the_step_uses(
 _GLOBAL_OPT = None
 
 
+def _squares_step(model, opt):
+    """A training step on the mean square of `model`'s output; `step(x, other_model, other_opt)` runs it on
+    another model (plain torch's)."""
+    def step(x, module=model, optimizer=opt):
+        loss = module(x).square().mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+    return step
+
+
 @pytest.mark.parametrize("table", ["replicated", "vocabulary_sharded"])
 def test_an_embedding_with_max_norm_trains_in_a_whole_step_as_plain_torch(table):
     """`nn.Embedding(max_norm=...)` rescales the rows its indices name: inside a trace the named rows are a mask,
@@ -627,13 +639,7 @@ def test_an_embedding_with_max_norm_trains_in_a_whole_step_as_plain_torch(table)
     model = spmd.distribute_module(copy.deepcopy(plain), mesh, spmd.LayoutMap(
         {"weight": Layout(["model" if table == "vocabulary_sharded" else U, U], mesh)}))
     plain_opt, opt = (torch.optim.SGD(m.parameters(), lr=0.5) for m in (plain, model))
-
-    def step(ids, module=model, optimizer=opt):
-        loss = module(ids).square().mean()
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        return loss
+    step = _squares_step(model, opt)
     whole = spmd.function(step, whole_step=True, backend="aot_eager")
     for i in range(4):
         ids = torch.tensor([[1, 2, 3, 1], [7, 2, 9, 9]][i % 2])
@@ -661,13 +667,7 @@ def test_a_dtensor_the_step_reads_as_a_constant_may_index_a_sharded_table():
     plain.positions = torch.arange(8) % 4
     model.positions = spmd.copy_to_mesh(plain.positions, Layout([U], mesh))
     plain_opt, opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (plain, model))
-
-    def step(x, module=model, optimizer=opt):
-        loss = module(x).square().mean()
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        return loss
+    step = _squares_step(model, opt)
     whole = spmd.function(step, whole_step=True, backend="aot_eager")
     for _ in range(3):
         x = torch.randn(8, 4)
