@@ -251,18 +251,20 @@ def _meta(t: DTensor) -> tuple:
 @contextlib.contextmanager
 def _tracing_updates(optimizers):
     """While a step is traced: torch.optim's updates as torch.compile traces them (`capturable`: the step counts
-    stay tensors in the graph rather than Python numbers read once), each through its multi-tensor (`foreach`)
-    path, which inductor fuses into a few kernels. A `fused=True` kernel cannot be in a graph (torch has no fake
-    kernel for some, and its functionalization refuses the others), and some for-loop updates read their step
-    count as a Python number (Adagrad's), so they are traced as their `foreach` path: the same update."""
-    flags = {"capturable": True, "foreach": True, "fused": False}
-    saved = [(g, {k: g[k] for k in flags if k in g}) for o in optimizers for g in o.param_groups]
+    stay tensors in the graph rather than Python numbers read once). A `fused=True` kernel cannot be in a graph
+    (torch has no fake kernel for some, and its functionalization refuses the others), and Adagrad's for-loop reads
+    its step count as a Python number: those are traced as their multi-tensor (`foreach`) path, the same update."""
+    saved = [(g, {k: g[k] for k in ("capturable", "foreach", "fused") if k in g})
+             for o in optimizers for g in o.param_groups]
     flag = torch.compiler._is_compiling_flag
     schedule = torch.optim.lr_scheduler.LRScheduler.step
     try:
         torch.compiler._is_compiling_flag = True
-        for g, before in saved:
-            g.update({k: flags[k] for k in before})
+        for o in optimizers:
+            for g in o.param_groups:
+                g.update({k: True for k in ("capturable",) if k in g})
+                if g.get("fused") or (isinstance(o, torch.optim.Adagrad) and not g.get("foreach")):
+                    g.update(fused=False, foreach=True)
         torch.optim.lr_scheduler.LRScheduler.step = _scheduler_step_in_a_trace
         yield
     finally:
