@@ -11,7 +11,6 @@ after they are made.
 from __future__ import annotations
 
 import dataclasses
-import re
 import sys
 import warnings
 
@@ -28,9 +27,10 @@ from spmd.engine import foreach, multi_axis, planner, registry
 from spmd.engine import rules  # noqa: F401  (registers every rule)
 from spmd.engine.decision import Decision, OpCall, TensorSpec, is_inplace, unsupported
 from spmd.engine.rules.common import generic_kernel, replace_tensors
-from spmd.engine.validate import check_like_torch
+from spmd.engine.rules.indexing import identity_first_index_as_slice
+from spmd.engine.validate import check_like_torch, name_the_user_dim
 from spmd.errors import MeshMismatchError, MixedTensorError, UnsupportedOpError
-from spmd.layout import UNSHARDED, Layout
+from spmd.layout import Layout
 
 _DETACH = torch.ops.aten.detach.default
 _INDEX = torch.ops.aten.index.Tensor
@@ -167,7 +167,7 @@ def torch_dispatch(cls, func, types, args=(), kwargs=None):
                                    "inputs; a DTensor result cannot go there: write into a DTensor "
                                    "(spmd.copy_to_mesh) instead") from None
         if func is _INDEX:
-            leading = _leading_identity_as_slice(args)
+            leading = identity_first_index_as_slice(args)
             if leading is not None:
                 return dispatch(func, leading, kwargs)
         return dispatch(func, *_replicated_plain(func, args, kwargs or {}))
@@ -180,22 +180,8 @@ def torch_dispatch(cls, func, types, args=(), kwargs=None):
             return _recorded(func, tensors, lambda: _execute(plan, func, args, kwargs or {}, tensors))
         return _execute(plan, func, args, kwargs or {}, tensors)
     except (IndexError, RuntimeError) as e:
-        _name_the_global_dim(e)
+        name_the_user_dim(e)
         raise
-
-
-# a kernel's error that names an axis of the stacked components it ran on: one more than the user's axis
-_STACKED_DIM = re.compile(r"(out of bounds for dimension )(\d+)")
-
-
-def _name_the_global_dim(error: Exception) -> None:
-    """Rewords a kernel's error (an index out of bounds, found as it ran) to name the user's axis, not the
-    stacked components' (once: an error raised by an op inside another op's expansion passes both)."""
-    message = str(error.args[0]) if error.args else ""
-    match = _STACKED_DIM.search(message)
-    if match and int(match[2]) > 0 and not getattr(error, "_spmd_dims", False):
-        error.args = (message[:match.start(2)] + str(int(match[2]) - 1) + message[match.end(2):],) + error.args[1:]
-        error._spmd_dims = True
 
 
 def resolve(tensor: DTensor) -> None:
@@ -313,26 +299,6 @@ def _replicated_plain(func, args, kwargs):
         return distributed(a, Layout.replicated(mesh, a.dim()))
 
     return pytree.tree_map(replicated, (args, kwargs))
-
-
-def _leading_identity_as_slice(args) -> tuple | None:
-    """`x[arange(n)[:, None, ...], i1, ...]` with a plain identity over `x`'s sharded first axis and the other
-    indices of size 1 along it (how HuggingFace builds a padding mask: `mask[batch_idx, kv_idx]`) is
-    `x[:, i1[0], ...]`, which keeps that axis sharded where an index over it would gather `x`. None where the call
-    is not of that form (inside a trace too: the values are not known there)."""
-    x, indices = args[0], args[1]
-    first = indices[0] if len(indices) > 1 else None
-    if not isinstance(x, DTensor) or x._layout.sharding_specs[0] == UNSHARDED or type(first) is not torch.Tensor \
-            or first.dtype not in (torch.int64, torch.int32) or any(t is None or t.dtype == torch.bool
-                                                                     for t in indices[1:]):
-        return None
-    rank = max(t.dim() for t in indices)
-    n = x.shape[0]
-    if first.dim() != rank or first.shape[0] != n or first.numel() != n or \
-            any(t.dim() == rank and t.shape[0] != 1 for t in indices[1:]) or \
-            not torch.equal(first.reshape(-1), torch.arange(n, device=first.device)):
-        return None
-    return x, [None, *(t[0] if t.dim() == rank else t for t in indices[1:])]
 
 
 def _copy_from_plain(func, args, kwargs):

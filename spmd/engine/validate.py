@@ -111,3 +111,24 @@ def _meta(value):
     if not all(type(s) is int for s in shape + stride):
         raise _Unchecked
     return torch.empty_strided(shape, stride, dtype=value.dtype, device="meta")
+
+
+# a kernel's error that names an axis of the stacked components it ran on: one more than the user's axis
+_STACKED_DIM = re.compile(r"(out of bounds for dimension )(\d+)")
+
+
+def name_the_user_dim(error: Exception) -> None:
+    """Rewords a kernel's error (an index out of bounds, found as it ran) to name the user's axis, not the
+    stacked components' (once: an error raised by an op inside another op's expansion passes both)."""
+    message = str(error.args[0]) if error.args else ""
+    match = _STACKED_DIM.search(message)
+    if match and int(match[2]) > 0 and not getattr(error, "_spmd_user_dim", False):
+        error.args = (message[:match.start(2)] + str(int(match[2]) - 1) + message[match.end(2):],) + error.args[1:]
+        named_for_the_user(error)
+
+
+def named_for_the_user(error: Exception) -> Exception:
+    """`error`, marked as naming the user's axes already (a rule's own check): left as it is by
+    `name_the_user_dim`."""
+    error._spmd_user_dim = True
+    return error

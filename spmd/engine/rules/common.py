@@ -12,6 +12,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from spmd.dtensor import DTensor
 from spmd.engine.decision import Kernel, OpCall, TensorSpec
+from spmd.engine.validate import named_for_the_user
 from spmd.mesh import axis_dims
 
 
@@ -195,9 +196,7 @@ def check_in_range(index: torch.Tensor, size: int, error: type, message: str, ne
     everywhere = inside.all()
     if type(everywhere) is torch.Tensor and everywhere.device.type == "cpu":  # (a trace makes even a constant's fake)
         if not everywhere:
-            raised = error(message.format(index[~inside][0].item()))
-            raised._spmd_dims = True  # (it names the user's axis: the dispatcher leaves it as it is)
-            raise raised
+            raise named_for_the_user(error(message.format(index[~inside][0].item())))
     else:
         torch._assert_async(everywhere, message.format("(some index)"))
 

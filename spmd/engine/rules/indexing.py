@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 import torch
 
+from spmd.dtensor import DTensor
 from spmd.engine.registry import register
 from spmd.engine.decision import Decision, OpCall, TensorSpec, unsupported
 from spmd.engine.rules.common import (broadcast_view, check_in_range, first_device, generic_kernel, norm_dim,
@@ -23,6 +24,7 @@ from spmd.engine.rules.common import (broadcast_view, check_in_range, first_devi
 from spmd.engine.rules.pointwise import aligned_inputs, broadcast_shape, is_inplace, merge_axes
 from spmd.engine.rules.reduction import arg
 from spmd.engine.rules.value_shaped import masked, value_shaped_rule
+from spmd.layout import UNSHARDED
 
 aten = torch.ops.aten
 
@@ -123,6 +125,27 @@ def _index_tensors(call: OpCall, indices, new_axes: tuple, adv: _Advanced):
 def _stack_index(n: int, rank: int, like: torch.Tensor) -> torch.Tensor:
     """Each device's own component, as an advanced index over the stack axis broadcast with `rank` new axes."""
     return torch.arange(n, device=like.device).view((n,) + (1,) * rank)
+
+
+def identity_first_index_as_slice(args) -> tuple | None:
+    """`x[arange(n)[:, None, ...], i1, ...]` with a plain identity over `x`'s sharded first axis and the other
+    indices of size 1 along it (how HuggingFace builds a padding mask: `mask[batch_idx, kv_idx]`) is
+    `x[:, i1[0], ...]`, which the rule below keeps sharded along that axis where an index over it would gather
+    `x`: the dispatcher's rewrite of such a call. None where the call is not of that form (inside a trace too:
+    the values are not known there)."""
+    x, indices = args[0], args[1]
+    first = indices[0] if len(indices) > 1 else None
+    if not isinstance(x, DTensor) or x._layout.sharding_specs[0] == UNSHARDED or type(first) is not torch.Tensor \
+            or first.dtype not in (torch.int64, torch.int32) or any(t is None or t.dtype == torch.bool
+                                                                     for t in indices[1:]):
+        return None
+    rank = max(t.dim() for t in indices)
+    n = x.shape[0]
+    if first.dim() != rank or first.shape[0] != n or first.numel() != n or \
+            any(t.dim() == rank and t.shape[0] != 1 for t in indices[1:]) or \
+            not torch.equal(first.reshape(-1), torch.arange(n, device=first.device)):
+        return None
+    return x, [None, *(t[0] if t.dim() == rank else t for t in indices[1:])]
 
 
 @register(aten.index.Tensor)

@@ -70,7 +70,7 @@ def _sharded_layer_norm(call: OpCall, x: TensorSpec, n: int) -> Decision:
 
     def kernel(l, a, k, run):
         xl, rest = l[0], iter(l[1:])
-        xf = xl.float() if xl.dtype in REDUCED_PRECISION else xl  # (torch's kernel accumulates in float32)
+        xf = _opmath(xl)  # (torch's kernel accumulates in float32)
         mean = run(0, xf.sum(dims, keepdim=True)) / count
         rstd = torch.rsqrt(run(1, (xf - mean).square().sum(dims, keepdim=True)) / count + eps)
         out = (xf - mean) * rstd
@@ -133,8 +133,8 @@ def _sharded_layer_norm_backward(call: OpCall, x: TensorSpec, n: int) -> Decisio
 
     def kernel(l, a, k, run):
         g, xl, mean, rstd = l[:4]
-        gf = g.float() if g.dtype in REDUCED_PRECISION else g
-        normed = ((xl.float() if xl.dtype in REDUCED_PRECISION else xl) - mean) * rstd
+        gf = _opmath(g)
+        normed = (_opmath(xl) - mean) * rstd
         gx = gw = gb = None
         if mask[0]:
             scaled = gf * _affine_view(l[4], g.dim()) if has_w else gf
