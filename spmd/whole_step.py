@@ -146,7 +146,6 @@ class _State:
                 self.slots.append((holder, key))
         self.dtensors = list(tensors.values())
         self.graded = [p for p in self.params if p.grad is not None]
-        self.entry_grads = [p.grad for p in self.graded]  # (the objects the trace sees)
         self.submodules = list({id(sub): sub for m in modules for sub in m.modules()}.values())
         self.identity = self._identity()
 
@@ -178,10 +177,11 @@ class _State:
     def grads(self) -> list:
         return list(map(_GRAD, self.params))
 
-    def components(self) -> list[torch.Tensor]:
-        """What the graph takes for the state, in order: the DTensors', the plain tensors, the gradients'."""
+    def components(self, unread: frozenset = frozenset()) -> list[torch.Tensor]:
+        """What the graph takes for the state, in order: the DTensors', the plain tensors, the gradients' (but
+        those at the positions `unread` in `graded`, which a graph replaces without reading them)."""
         return ([_component(t) for t in self.dtensors] + [holder[k] for holder, k in self.slots]
-                + [_component(p.grad) for p in self.graded])
+                + [_component(p.grad) for j, p in enumerate(self.graded) if j not in unread])
 
     def sharers(self) -> list[int | None]:
         return ([_sharers(t) for t in self.dtensors] + [None] * len(self.slots)
@@ -319,12 +319,24 @@ class _Trace:
         self.state, self.state_key, self.compiled = state, state_key, compiled
         self.results_spec, self.results = outputs["results_spec"], outputs["results"]
         self.rebinds, self.grads = outputs["rebinds"], outputs["grads"]
-        self.created_state = outputs["created_state"]
+        self.created_state, self.unread = outputs["created_state"], outputs["unread"]
+        graded = [i for i, g in enumerate(state_key[-1]) if g is not None]  # (the key's last part: the gradients)
+        self._unread_params = {graded[j] for j in self.unread}
+
+    def takes(self, key: tuple) -> bool:
+        """Whether the graph runs on state of `key`: the state it was traced at, but for the layouts and strides
+        of the gradients it replaces without reading them."""
+        if key[:-1] != self.state_key[:-1]:
+            return False
+        return all(a == b or (i in self._unread_params and a is not None and b is not None)
+                   for i, (a, b) in enumerate(zip(key[-1], self.state_key[-1])))
 
     def run(self, leaves: list):
         state = self.state  # (the live state: possibly another `_State` of the same key as the traced one)
-        inputs = state.components()
+        inputs = state.components(self.unread)
         inputs += [_component(t) if isinstance(t, DTensor) else t for t in leaves if isinstance(t, torch.Tensor)]
+        for j in self.unread:  # dropped before the graph makes the new ones, as the step's `zero_grad()` drops them
+            state.graded[j].grad = None
         outs = iter(self.compiled(*inputs))
         results = [_own(next(outs)) if kind == "tensor" else _rebuilt(_own(next(outs)), meta) if kind == "dtensor"
                    else meta for kind, meta in self.results]
@@ -363,7 +375,7 @@ class WholeStep:
         live = state is None or state.is_live()
         if not live:  # the modules or optimizers hold other state tensors now
             state = _State(*_roots(self._fn, args, kwargs))
-        trace = traces.get(state.key()) if state is not None else None
+        trace = _matching(traces, state.key()) if state is not None else None
         if trace is not None and not live:
             trace.state = state  # (the same graph over the state they hold now)
         if trace is None:
@@ -423,12 +435,13 @@ class WholeStep:
         sharers = state.sharers() + [_sharers(t) if isinstance(t, DTensor) else None for t in tensors]
         outputs: dict = {}
         saved = _Saved(state, tensors)
+        entry_grads = [p.grad for p in state.graded]  # (the objects the trace sees; not kept past it)
 
         def step(*components):
             try:
                 installed = self._install(state, leaves, spec, components, sharers)
                 out = self._body(*installed[0], **installed[1])
-                return self._outputs(state, components, out, outputs)
+                return self._outputs(state, entry_grads, components, out, outputs)
             finally:
                 saved.restore()
 
@@ -450,6 +463,9 @@ class WholeStep:
                              f"tensor(s) (the first of shape {list(written[0].shape)}) that are neither its arguments "
                              "nor state of the modules, optimizers or DTensors it names, so the graph would keep them "
                              "as constants; pass them as arguments, or name them in the step")
+        outputs["unread"] = _drop_unread_gradients(gm, state, outputs["grads"])
+        first = len(state.dtensors) + len(state.slots)
+        inputs = [x for i, x in enumerate(inputs) if i - first not in outputs["unread"]]
         return state, gm, inputs, outputs
 
     def _error(self, why: str) -> TraceError:
@@ -477,7 +493,7 @@ class WholeStep:
         return _unflatten(traced, spec)
 
     @staticmethod
-    def _outputs(state: _State, components, out, outputs: dict) -> tuple:
+    def _outputs(state: _State, entry_grads: list, components, out, outputs: dict) -> tuple:
         """The graph's outputs: the results, the state the step rebound, the parameters' new gradients; and in
         `outputs` what each is."""
         for t in pending_dtensors(out):  # resolved as the step returns them: explain's "(result)" rows
@@ -510,7 +526,7 @@ class WholeStep:
                                      "optimizer's state or a module's buffers with a non-tensor")
                 flat.append(holder[k])
                 outputs["rebinds"].append((j, None))
-        entry = {id(g): mine for g, mine in zip(state.entry_grads, given)}
+        entry = {id(g): mine for g, mine in zip(entry_grads, given)}
         for p in state.params:
             g = p.grad
             if g is not None and id(g) in entry and _component(g) is entry[id(g)]:
@@ -521,6 +537,31 @@ class WholeStep:
                 flat.append(_component(g))
                 outputs["grads"].append(_meta(g))
         return tuple(flat)
+
+
+def _matching(traces: dict, key: tuple) -> _Trace | None:
+    """The trace of state `key` among a signature's `traces` (kept under `key` too when found otherwise)."""
+    trace = traces.get(key)
+    if trace is None:
+        trace = next((t for t in traces.values() if t.takes(key)), None)
+        if trace is not None:
+            traces[key] = trace
+    return trace
+
+
+def _drop_unread_gradients(gm, state: _State, grads: list) -> frozenset:
+    """The positions in `state.graded` of the gradients the graph replaces (or drops) without reading them (the
+    step's `zero_grad()` came first), their inputs taken out of `gm`: a call drops them before the graph runs, so
+    that their memory holds the new ones, as in eager torch."""
+    gm.graph.eliminate_dead_code()  # (a shared gradient's one copy is expanded to its stack, and that dropped)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"][len(state.dtensors) + len(state.slots):]
+    position = {id(p): i for i, p in enumerate(state.params)}
+    unread = [j for j, (p, node) in enumerate(zip(state.graded, placeholders))
+              if not node.users and grads[position[id(p)]] is not _KEEP]
+    for j in unread:
+        gm.graph.erase_node(placeholders[j])
+    gm.recompile()
+    return frozenset(unread)
 
 
 def _reading_line(e: Exception) -> str | None:

@@ -5,8 +5,10 @@ traced once, and again exactly when what it assumed changes; `explain` lists the
 from __future__ import annotations
 
 import copy
+import gc
 import types
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -166,6 +168,55 @@ def test_gradients_accumulated_over_calls_keep_one_trace_per_state():
     assert len([w for w in caught if "traces the step again" in str(w.message)]) == 1
     for p, q in zip(model.parameters(), ref_model.parameters()):
         torch.testing.assert_close(gather(p), gather(q), rtol=1e-5, atol=1e-6)
+
+
+def test_the_gradients_a_step_replaces_are_dropped_before_its_graph_runs():
+    """As eager torch's `zero_grad()` drops them: the gradients a step replaces without reading them are not the
+    graph's inputs, and no trace keeps those of the call it was traced at (one set of gradients, not three)."""
+    mesh = spmd.create_mesh([("batch", 2), ("model", 2)])
+    model, _, step = _setup(mesh, OPTIMIZERS["adamw"], zero_grad_first=True)
+    whole = spmd.function(step, backend="aot_eager", whole_step=True)
+    batches = _batches(mesh, 3)
+    whole(*batches[0])  # eagerly: leaves gradients
+    eager_grads = [weakref.ref(p.grad._stack) for p in model.parameters()]
+    whole(*batches[1])  # traced
+    gc.collect()
+    assert [r() for r in eager_grads] == [None] * len(eager_grads)
+    (trace,) = [t for _, by_state in whole._whole_step._traces.values() for t in by_state.values()]
+    graph, alive = trace.compiled, []
+    last_grads = [weakref.ref(p.grad._stack) for p in model.parameters()]
+
+    def run(*inputs):
+        alive.append(sum(r() is not None for r in last_grads))
+        return graph(*inputs)
+    trace.compiled = run
+    whole(*batches[2])
+    assert alive == [0]
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_a_gradient_the_step_does_not_touch_is_left_as_it_is():
+    """A parameter of the step's model that its optimizer neither zeroes nor its loss reaches keeps its gradient."""
+    mesh = spmd.create_mesh([("batch", 2), ("model", 2)])
+    torch.manual_seed(0)
+    model = spmd.distribute_module(nn.ModuleDict({"used": nn.Linear(8, 8), "idle": nn.Linear(8, 8)}), mesh)
+    opt = torch.optim.SGD(model["used"].parameters(), lr=0.1)
+    x, y = _batches(mesh, 1)[0]
+    model["idle"](x).sum().backward()
+    idle_grads = [gather(p.grad) for p in model["idle"].parameters()]
+
+    def step(x, y):
+        opt.zero_grad()
+        loss = F.mse_loss(model["used"](x), y)
+        loss.backward()
+        opt.step()
+        return loss
+    whole = spmd.function(step, backend="aot_eager", whole_step=True)
+    for _ in range(3):
+        whole(x, y)
+    assert whole.experimental_get_tracing_count() == 1
+    for p, g in zip(model["idle"].parameters(), idle_grads):
+        torch.testing.assert_close(gather(p.grad), g)
 
 
 def test_explain_lists_the_whole_steps_collectives():
