@@ -51,7 +51,8 @@ class LayoutMap(collections.abc.MutableMapping):
     insertion order) whose regex matches `name`, else None; it never raises `KeyError`.
 
     Args:
-      mapping: optional initial `{regex: Layout or specs}` (insertion order is kept).
+      mapping: optional initial `{regex: Layout or specs}` (insertion order is kept); a `Mesh` in its place is
+        taken as `mesh=` (Keras' `LayoutMap(mesh)`).
       mesh: optional mesh that spec lists are resolved against when stored.
 
     >>> mesh = create_mesh([("batch", 2), ("model", 2)])
@@ -63,7 +64,12 @@ class LayoutMap(collections.abc.MutableMapping):
     ['model', 'unsharded']
     """
 
-    def __init__(self, mapping: Mapping[str, Any] | None = None, mesh: Mesh | None = None):
+    def __init__(self, mapping: Mapping[str, Any] | Mesh | None = None, mesh: Mesh | None = None):
+        if isinstance(mapping, Mesh) and mesh is None:
+            mapping, mesh = None, mapping
+        if mapping is not None and not isinstance(mapping, collections.abc.Mapping):
+            raise TypeError(f"LayoutMap takes a mapping of regular expressions to layouts, got a "
+                            f"{type(mapping).__name__}: LayoutMap({{r'fc1\\.weight': ['model', UNSHARDED]}}, mesh=mesh)")
         if mesh is not None and not isinstance(mesh, Mesh):
             raise LayoutError(f"LayoutMap's mesh must be a spmd.Mesh, got {type(mesh).__name__}")
         self.mesh = mesh

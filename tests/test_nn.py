@@ -116,6 +116,11 @@ def test_layout_map_resolves_spec_lists_and_checks():
     with pytest.raises(ValueError, match="valid mesh dimension"):
         LayoutMap({"w": ["nope"]}, mesh=mesh)
     assert "LayoutMap({'w': ['model', 'unsharded']})" == repr(lm)
+    keras_style = LayoutMap(mesh)  # Keras' LayoutMap(mesh): the mesh positionally
+    keras_style["w"] = ["model", U]
+    assert keras_style.mesh is mesh and keras_style["w"] == Layout(["model", U], mesh)
+    with pytest.raises(TypeError, match=r"mapping of regular expressions to layouts, got a list"):
+        LayoutMap([("w", ["model", U])])
 
 
 def test_distribute_module_warns_of_a_layout_map_key_that_matches_nothing():
