@@ -25,6 +25,7 @@ from spmd.tracing import prepare_dynamo
 
 # The rule engine (a floor above) executes ops: it installs itself with `install_engine` when imported.
 _engine = None
+_parameter_class = None  # what `nn.Parameter(dtensor)` makes: DVariable (spmd/variable.py, a floor above)
 _FUNCTIONAL = torch._C._TorchDispatchModeKey.FUNCTIONAL
 
 
@@ -105,6 +106,21 @@ class DTensor(torch.Tensor):
         if remote is not None:  # a single-controller mesh (spmd.controller): its workers take the components
             return remote.adopt(out)
         return out
+
+    @property
+    def _is_param(self) -> bool:
+        return self.__dict__.get("_is_param", False)
+
+    @_is_param.setter
+    def _is_param(self, value: bool) -> None:
+        # `nn.Parameter(dtensor)` marks a detached DTensor so: it becomes a DVariable, spmd's parameter, as do the
+        # parameters that `module.double()` and `module.to(dtype)` swap in (subclasses, such as a controller mesh's
+        # twin or an XLAShardedTensor, stay themselves)
+        if value and type(self) is DTensor:
+            self.__class__ = _parameter_class
+            self.variable_name = None
+        else:
+            self.__dict__["_is_param"] = value
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -379,6 +395,12 @@ def _format(component: torch.Tensor) -> str:
 
 _WIDER_FOR_NUMPY = {torch.complex32: torch.complex64, torch.bfloat16: torch.float32,
                     torch.float8_e4m3fn: torch.float32, torch.float8_e5m2: torch.float32}
+
+
+def make_parameters(cls: type) -> None:
+    """Sets the class that `nn.Parameter(dtensor)` turns a DTensor into (spmd/variable.py's DVariable)."""
+    global _parameter_class
+    _parameter_class = cls
 
 
 def keep_grad_layout(leaf: DTensor) -> None:

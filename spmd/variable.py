@@ -7,7 +7,7 @@ import torch
 
 from spmd.api import copy_to_mesh, relayout
 from spmd.collectives.local import one_copy, share, shared
-from spmd.dtensor import DTensor, keep_grad_layout
+from spmd.dtensor import DTensor, keep_grad_layout, make_parameters
 from spmd.engine import optim
 from spmd.errors import LayoutError, MeshMismatchError
 from spmd.layout import Layout
@@ -54,11 +54,12 @@ class DVariable(DTensor):
         else:
             local = _copied(local, dtype)
         var = DTensor.__new__(cls, local, value._layout, value.shape, requires_grad)
-        var._is_param = True  # nn.Module registers it as a parameter
         var.variable_name = name
         if requires_grad:
             keep_grad_layout(var)
         return var
+
+    _is_param = True  # nn.Module registers it as a parameter
 
     def __init__(self, *args, **kwargs):
         pass
@@ -134,6 +135,7 @@ class DVariable(DTensor):
 
 
 optim.let_torch_optim_take(DTensor, DVariable)
+make_parameters(DVariable)
 
 
 def _copied(local: torch.Tensor, dtype) -> torch.Tensor:

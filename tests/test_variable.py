@@ -111,6 +111,34 @@ def test_dvariable_in_nn_module(xy):
     assert torch.equal(gather(clone.w), gather(model.w))
 
 
+@pytest.mark.parametrize("convert", ["double", "half", "to_bfloat16"])
+def test_a_modules_dvariables_stay_dvariables_when_it_changes_dtype(xy, mesh22, convert):
+    """`module.double()` and `.to(dtype)` swap new tensors into a module's parameters (torch's swap for tensor
+    subclasses): each stays the same object, a DVariable of its layout, that an optimizer made before still steps."""
+    model = spmd.distribute_module(torch.nn.Linear(4, 4), mesh22, spmd.LayoutMap({"weight": xy}))
+    before = list(model.parameters())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    dtype = {"double": torch.float64, "half": torch.float16, "to_bfloat16": torch.bfloat16}[convert]
+    model.to(dtype) if convert.startswith("to_") else getattr(model, convert)()
+    after = list(model.parameters())
+    assert [type(p) for p in after] == [DVariable, DVariable] and all(a is b for a, b in zip(after, before))
+    assert [p.dtype for p in after] == [dtype, dtype] and fetch_layout(model.weight) == xy
+    value = gather(model.weight).clone()
+    x = copy_to_mesh(torch.ones(2, 4, dtype=dtype), Layout([U, U], mesh22))
+    model(x).sum().backward()
+    assert fetch_layout(model.weight.grad) == xy
+    opt.step()
+    torch.testing.assert_close(gather(model.weight), value - 0.1 * gather(model.weight.grad))
+    model.weight.assign_add(torch.ones(()))  # still a variable's methods
+
+
+def test_a_parameter_of_a_dtensor_is_a_dvariable(xy):
+    """`nn.Parameter(dtensor)` is spmd's parameter, a DVariable of the DTensor's layout."""
+    p = torch.nn.Parameter(copy_to_mesh(torch.ones(4, 4), xy))
+    assert type(p) is DVariable and isinstance(p, torch.nn.Parameter) and p.requires_grad
+    assert fetch_layout(p) == xy and p.variable_name is None
+
+
 def test_dvariable_gradient_has_its_layout(xy, mesh22):
     w = DVariable(torch.ones(4, 4), layout=xy)
     x = copy_to_mesh(torch.arange(16.0).reshape(4, 4), Layout(["x", U], mesh22))
