@@ -330,6 +330,23 @@ def test_reductions_in_two_steps_all_reduce_partial_results(name, mesh22):
     assert [(c.kind, c.mesh_dims) for c in seen.collectives] == [("all_reduce", ("x", "y"))] * len(ops)
 
 
+@pytest.mark.parametrize("fn, gathered", [
+    (torch.prod, ["x", "y"]), (lambda x: x.prod(1), ["y"]), (lambda x: x.prod(0, keepdim=True), ["x"]),
+    (lambda x: x.prod(-1, dtype=torch.float64), ["y"])], ids=["all", "dim", "keepdim", "dtype"])
+def test_a_product_over_sharded_axes_gathers_one_value_per_device(fn, gathered, mesh22):
+    """The blocks' products, all-gathered (one per device and row) and multiplied: values (zeros and signs
+    included) and gradients as torch's, for every layout of a 2x2 mesh."""
+    value = torch.tensor([[1.5, -0.5, 2.0, 0.75], [0.0, 1.25, -2.0, 0.5], [-1.0, 0.5, 1.5, -1.25],
+                          [0.5, 0.0, 0.0, 2.0]])
+    assert check_op(fn, [value], mesh=mesh22) > 1
+    assert check_op(fn, [(value * 4).to(torch.int32)], mesh=mesh22) > 1
+    x = spmd.copy_to_mesh(value.repeat(4, 4), Layout(["x", "y"], mesh22))  # blocks of 8 x 8
+    with Recorder() as seen:
+        out = fn(x)
+    assert [(c.kind, c.mesh_dims) for c in seen.collectives] == [("all_gather", (m,)) for m in gathered]
+    assert all(c.bytes <= 8 * out.element_size() for c in seen.collectives)  # a value per row of a block of 8
+
+
 @pytest.mark.parametrize("fn", [lambda x: torch.argmax(x, 1), lambda x: torch.argmin(x, -1, keepdim=True),
                                 lambda x: torch.max(x, 1), lambda x: torch.min(x, 1, keepdim=True)],
                          ids=["argmax", "argmin keepdim", "max.dim", "min.dim keepdim"])

@@ -3,8 +3,9 @@
 Why the rules hold: with even shards, sum/max/min of the per-shard results is the global sum/max/min, and the
 mean of equal-sized shard means is the global mean, so a sharded reduced axis costs one all-reduce over its
 mesh dim; any/all, logsumexp and the variance take two steps of that kind (their partial results all-reduced), and
-argmax/argmin (max/min with indices) gather each device's extreme and its index. Reductions that do not decompose
-that way (prod, median, ...) first gather the reduced axes.
+argmax/argmin (max/min with indices) gather each device's extreme and its index, and a product is the product of
+the blocks' products (gathered: one value per device). Reductions that do not decompose that way (median, mode,
+...) first gather the reduced axes.
 A histogram over a given range is a sum (of the shards' histograms); a segment reduction reduces along one axis
 only, so the axes after it keep their sharding.
 Output layout (TF): the input layout without the reduced axes (kept as unsharded with keepdim).
@@ -121,7 +122,7 @@ register(aten.nansum.default, aten.count_nonzero.default, aten.count_nonzero.dim
 register(aten.mean.dim, aten.mean.default, blockwise=True)(lambda call: reduce_rule(call, "avg"))
 register(aten.amax.default, aten.max.default, blockwise=True)(lambda call: reduce_rule(call, "max"))
 register(aten.amin.default, aten.min.default, blockwise=True)(lambda call: reduce_rule(call, "min"))
-register(aten.prod.dim_int, aten.prod.default, aten.median.dim, aten.mode.default, aten.kthvalue.default,
+register(aten.median.dim, aten.mode.default, aten.kthvalue.default,
          aten.nanmedian.dim, aten.median.default, aten.nanmedian.default, aten.hash_tensor.default)(
     lambda call: reduce_rule(call, "gather"))
 
@@ -386,3 +387,28 @@ def arg_extreme_rule(call: OpCall) -> Decision:
         return (best, index) if values_too else index
     gather = Collective(Kind.ALL_GATHER, (mesh_dim,), axis)
     return replace(decision, kernel=kernel, reduce=(), collectives=(gather, gather), fixed=(mesh_dim,))
+
+
+@register(aten.prod.dim_int, aten.prod.default)
+def prod_rule(call: OpCall) -> Decision:
+    """A product over sharded axes: each device's product of its block, all-gathered along each sharded reduced
+    axis (one value per device and row, where gathering the axes would move them whole), and the product of those
+    (zeros and signs carry through a product of products)."""
+    spec = call.specs[0]
+    r = spec.rank
+    dims = tuple(range(r)) if call.func is aten.prod.default else (norm_dim(arg(call, "dim"), r),) if r else ()
+    sharded = [(d, spec.axes[d]) for d in dims if spec.axes[d] is not None and call.mesh.dim_size(spec.axes[d]) > 1]
+    if not sharded or not all(isinstance(m, str) for _, m in sharded):  # (an axis over several mesh dims: gathered)
+        return reduce_rule(call, "gather")
+    keepdim, dtype = bool(arg(call, "keepdim", False)), arg(call, "dtype")
+
+    def kernel(locals_, args, kwargs, run):
+        x = locals_[0]
+        for i, d in enumerate(dims):
+            x = torch.prod(x, d + 1, keepdim=True, dtype=dtype if i == 0 else None)
+        for i, (d, _) in enumerate(sharded):
+            x = torch.prod(run(i, x), d + 1, keepdim=True)
+        return x if keepdim else x.squeeze(tuple(d + 1 for d in dims))
+    gathers = tuple(Collective(Kind.ALL_GATHER, (m,), d) for d, m in sharded)
+    decision = reduce_rule(call, "sum", dims=dims, keepdim=keepdim)
+    return replace(decision, kernel=kernel, reduce=(), collectives=gathers, fixed=tuple(m for _, m in sharded))
