@@ -24,14 +24,17 @@ CONVS = {
     "conv_transpose2d": (lambda x, w, b: F.conv_transpose2d(x, w, b, stride=2), (2, 4, 3, 3), (4, 2, 3, 3)),
     "conv_transpose2d_groups": (lambda x, w, b: F.conv_transpose2d(x, w, b, groups=2, output_padding=1, stride=2),
                                 (2, 4, 3, 3), (4, 2, 2, 2)),
+    "conv2d_4_groups": (lambda x, w, b: F.conv2d(x, w, b, groups=4, padding=1), (2, 8, 4, 4), (8, 2, 3, 3)),
+    "conv1d_depthwise_groups": (lambda x, w, b: F.conv1d(x, w, b, groups=4, padding=1), (2, 4, 6), (8, 1, 3)),
 }
+GROUPS = {"conv2d_groups": 2, "conv_transpose2d_groups": 2, "conv2d_4_groups": 4, "conv1d_depthwise_groups": 4}
 
 
 @pytest.mark.parametrize("name", list(CONVS))
 def test_convolution_matches_torch_for_every_layout(name):
     fn, x_shape, w_shape = CONVS[name]
     transposed = "transpose" in name
-    groups = 2 if "groups" in name else 1
+    groups = GROUPS.get(name, 1)
     out_channels = w_shape[1] * groups if transposed else w_shape[0]
     inputs = [rand(*x_shape), rand(*w_shape, seed=1), rand(out_channels, seed=2)]
     assert check_op(fn, inputs, sample=16) >= 12
@@ -60,6 +63,31 @@ def test_input_channels_sharded_leave_one_pending_sum_and_the_bias_is_added_once
     assert collectives == [("all_reduce", ("y",))]  # the bias epilogue resolves the sum at once
     torch.testing.assert_close(spmd.to_global(out), F.conv2d(rand(4, 4, 6, 6), rand(4, 4, 3, 3, seed=1),
                                                              rand(4, seed=2)))
+
+
+@pytest.mark.parametrize("groups, w_shape", [(4, (8, 2, 3)), (8, (16, 1, 3))], ids=["4 groups", "depthwise"])
+def test_grouped_convolutions_keep_channels_sharded_at_group_boundaries(groups, w_shape):
+    """Each device convolves its own groups: no collective forward; backward, only the weight's and bias's sums
+    over the batch (the input's gradient is complete on each device)."""
+    x_value, w_value, b_value = rand(4, 8, 6), rand(*w_shape, seed=1), rand(w_shape[0], seed=2)
+    x = spmd.copy_to_mesh(x_value, _layout("x", "y", U)).requires_grad_()
+    w = spmd.copy_to_mesh(w_value, _layout("y", U, U)).requires_grad_()
+    b = spmd.copy_to_mesh(b_value, _layout("y")).requires_grad_()
+    out, forward = issued(lambda: F.conv1d(x, w, b, padding=1, groups=groups))
+    assert forward == [] and spmd.fetch_layout(out).sharding_specs == ["x", "y", U]
+
+    def backward():
+        out.backward(torch.ones_like(out))
+        return w.grad._local, b.grad._local  # (their pending sums resolved)
+    _, backward = issued(backward)
+    assert sorted(backward) == [("all_reduce", ("x",))] * 2
+    assert not x.grad._pending and spmd.fetch_layout(x.grad) == spmd.fetch_layout(x)
+    leaves = [t.clone().requires_grad_() for t in (x_value, w_value, b_value)]
+    want = F.conv1d(*leaves, padding=1, groups=groups)
+    want.sum().backward()
+    torch.testing.assert_close(spmd.to_global(out), want)
+    for got, leaf in zip((x, w, b), leaves):
+        torch.testing.assert_close(spmd.to_global(got.grad), leaf.grad)
 
 
 def test_weight_gradient_of_a_batch_sharded_convolution_is_one_all_reduce():

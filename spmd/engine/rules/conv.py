@@ -3,7 +3,8 @@ axes are whole on each device (a window would cross a shard's edge).
 
 A convolution is a contraction over input channels, like a matmul: output channels sharded with the weight carry
 to the output, input channels sharded in both input and weight leave a pending sum, and the weight's gradient
-is a pending sum over the batch's mesh dim. On the stacked components each device's convolution is one group
+is a pending sum over the batch's mesh dim; a grouped convolution with channel shards of whole groups convolves
+each device's groups. On the stacked components each device's convolution is one group
 of a grouped convolution (the device axis folded into the channels), so one kernel computes every device's
 result, whatever each one holds. Pooling, unpooling and resampling work per sample and channel, and so do grid
 sampling (each sample reads its own grid) and patch extraction (`im2col`/`col2im`, whose patch axis is
@@ -29,8 +30,12 @@ aten = torch.ops.aten
 # -- convolution -------------------------------------------------------------------------------------------------
 class _Conv:
     """The layouts of one convolution: `x` [N, Cin, *spatial] (or unbatched [Cin, *spatial]), `w` [Cout, Cin/g,
-    *k] ([Cin, Cout/g, *k] transposed). Mesh dims are chosen as for the matmul `nc,oc->no` (TF's priorities);
-    grouped convolutions keep channels whole, as a shard of channels would cut through groups."""
+    *k] ([Cin, Cout/g, *k] transposed). Mesh dims are chosen as for the matmul `nc,oc->no` (TF's priorities).
+    A grouped convolution keeps its channels sharded where the shards hold whole groups (a depthwise one always
+    does): each device convolves its own groups, nothing to sum; otherwise its channels are whole.
+
+    `ci`: the mesh dim of the input channels, summed over (a pending sum of the output, and `summed_out` that of
+    the input's gradient); `co`: of the output channels; `local_groups`: the groups of each device's convolution."""
 
     def __init__(self, call: OpCall, x, w):
         self.transposed, self.groups = bool(arg(call, "transposed")), arg(call, "groups")
@@ -38,14 +43,20 @@ class _Conv:
         n = x.axes[0] if self.batched else None
         c_in = x.axes[1 if self.batched else 0]
         w_out, w_in = (w.axes[1], w.axes[0]) if self.transposed else (w.axes[0], w.axes[1])
-        if self.groups != 1:
-            c_in = w_out = w_in = None
-        (_, (_, ci)), (n, co), _ = einsum_axes("nc,oc->no", [(n, c_in), (w_out, w_in)])
-        self.n, self.ci, self.co = n, ci, co
         spatial = (None,) * (w.rank - 2)
-        self.x_axes = ((n, ci) if self.batched else (ci,)) + spatial
-        self.w_axes = ((ci, co) if self.transposed else (co, ci)) + spatial
-        self.out_axes = ((n, co) if self.batched else (co,)) + spatial
+        if self.groups != 1:
+            g = _group_dim(call, self.groups, (c_in, w.axes[0]), n)
+            self.n, self.ci, self.co, self.summed_out = n, None, g, None
+            self.local_groups = self.groups // (1 if g is None else call.shards(g))
+            self.x_axes = ((n, g) if self.batched else (g,)) + spatial
+            self.w_axes = (g, None) + spatial
+            self.out_axes = ((n, g) if self.batched else (g,)) + spatial
+        else:
+            (_, (_, ci)), (n, co), _ = einsum_axes("nc,oc->no", [(n, c_in), (w_out, w_in)])
+            self.n, self.ci, self.co, self.summed_out, self.local_groups = n, ci, co, co, 1
+            self.x_axes = ((n, ci) if self.batched else (ci,)) + spatial
+            self.w_axes = ((ci, co) if self.transposed else (co, ci)) + spatial
+            self.out_axes = ((n, co) if self.batched else (co,)) + spatial
         self.static = [arg(call, name) for name in ("stride", "padding", "dilation", "transposed",
                                                     "output_padding")]
 
@@ -62,8 +73,14 @@ class _Conv:
             bias = None if bias is None else bias[:bias.shape[0] // self.num_local]
             out = aten.convolution(x.flatten(0, 1), w[0], bias, *self.static, self.groups)
             return out.unflatten(0, (self.num_local, -1))
-        out = aten.convolution(self.grouped(x), w.flatten(0, 1), bias, *self.static, self.groups * self.num_local)
+        out = aten.convolution(self.grouped(x), w.flatten(0, 1), bias, *self.static,
+                               self.local_groups * self.num_local)
         return self.ungrouped(out)
+
+
+def _group_dim(call: OpCall, groups: int, candidates: tuple, batch) -> str | None:
+    """The mesh dim (the input channels', else the weight's first axis') whose shards hold whole groups."""
+    return next((m for m in candidates if isinstance(m, str) and m != batch and groups % call.shards(m) == 0), None)
 
 
 @register(aten.convolution.default)
@@ -98,14 +115,14 @@ def convolution_backward_rule(call: OpCall) -> Decision:
     conv = _Conv(call, x, w)
     mask = list(arg(call, "output_mask"))
     outputs = (conv.x_axes, conv.w_axes, (conv.co,))
-    pending = (conv.co, conv.n, conv.n)
+    pending = (conv.summed_out, conv.n, conv.n)
     bias_sizes = arg(call, "bias_sizes")
     local_bias = None if bias_sizes is None else [conv.num_local * bias_sizes[0] // call.shards(conv.co)]
 
     def kernel(locals_, args, kwargs):
         g, xs, ws = locals_
         gi, gw, gb = aten.convolution_backward(conv.grouped(g), conv.grouped(xs), ws.flatten(0, 1), local_bias,
-                                               *conv.static, conv.groups * conv.num_local, mask)
+                                               *conv.static, conv.local_groups * conv.num_local, mask)
         per_device = (conv.num_local, -1)
         return (None if gi is None else conv.ungrouped(gi), None if gw is None else gw.unflatten(0, per_device),
                 None if gb is None else gb.unflatten(0, per_device))
