@@ -69,7 +69,8 @@ class LayoutMap(collections.abc.MutableMapping):
             mapping, mesh = None, mapping
         if mapping is not None and not isinstance(mapping, collections.abc.Mapping):
             raise TypeError(f"LayoutMap takes a mapping of regular expressions to layouts, got a "
-                            f"{type(mapping).__name__}: LayoutMap({{r'fc1\\.weight': ['model', UNSHARDED]}}, mesh=mesh)")
+                            f"{type(mapping).__name__}: "
+                            "LayoutMap({r'fc1\\.weight': ['model', UNSHARDED]}, mesh=mesh)")
         if mesh is not None and not isinstance(mesh, Mesh):
             raise LayoutError(f"LayoutMap's mesh must be a spmd.Mesh, got {type(mesh).__name__}")
         self.mesh = mesh
@@ -368,7 +369,7 @@ class _MeshForward:
             return self._forward(args, kwargs)
 
     def _forward(self, args, kwargs):
-        if isinstance(self.module, (nn.MultiheadAttention, nn.EmbeddingBag)) and self.inner is None:
+        if isinstance(self.module, sharded_batch.MODULES) and self.inner is None:
             out = sharded_batch.forward(self.module, args, kwargs)
             if out is not None:
                 return out

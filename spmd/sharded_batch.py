@@ -13,6 +13,11 @@
   list of positions that no rule can split by device, so the lookup ran replicated. Here each bag is an embedding
   lookup reduced over its row (sum, mean or max; padding entries left out, `per_sample_weights` applied), so the
   bags stay sharded with the batch and the table's gradient is a pending sum over it.
+- `nn.InstanceNorm1d/2d/3d`: torch folds the batch into the channels (`[1, B * C, ...]`) to run a batch norm, a
+  fold with no block layout when the channels are sharded (and one whose running statistics gathered a sharded
+  batch). Here each sample's channels are normalised over their own spatial axes, as the fold computes them: no
+  collective; the running statistics, where kept, take the batch's mean of the samples' statistics (a pending sum
+  over the batch, one all-reduce of a value per channel).
 
 Elsewhere torch's own forward runs.
 """
@@ -29,12 +34,17 @@ from spmd.dtensor import DTensor
 from spmd.layout import UNSHARDED
 
 
+MODULES = (nn.MultiheadAttention, nn.EmbeddingBag, nn.modules.instancenorm._InstanceNorm)  # what `forward` takes
+
+
 def forward(module: nn.Module, args: tuple, kwargs: dict):
     """`module(*args, **kwargs)` batch first where the batch is sharded; None where torch's forward should run."""
     if isinstance(module, nn.MultiheadAttention):
         return _attention_forward(module, args, kwargs)
     if isinstance(module, nn.EmbeddingBag):
         return _bags_forward(module, *args, **kwargs)
+    if isinstance(module, nn.modules.instancenorm._InstanceNorm):
+        return _instance_norm_forward(module, *args, **kwargs)
     return None
 
 
@@ -165,3 +175,34 @@ def _bags_forward(bags: nn.EmbeddingBag, input, offsets=None, per_sample_weights
         return total
     count = input.shape[1] if kept is None else kept.sum(1).clamp(min=1)
     return total / count
+
+
+def _instance_norm_forward(norm: nn.modules.instancenorm._InstanceNorm, x):
+    if not isinstance(x, DTensor) or x.dim() != norm._get_no_batch_dim() + 1 or x.shape[1] != norm.num_features \
+            or x._layout.sharding_specs[:2] == [UNSHARDED, UNSHARDED]:
+        return None  # (torch's forward: its checks and errors, an unbatched input)
+    dims = tuple(range(2, x.dim()))
+    count = math.prod(x.shape[2:])
+    use_input_stats = norm.training or not norm.track_running_stats
+    if use_input_stats and norm.training and count == 1:
+        return None  # (torch's error: more than one spatial element to train on)
+    upcast = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+    per_channel = (1, -1) + (1,) * len(dims)
+    if use_input_stats:
+        var, mean = torch.var_mean(upcast, dims, correction=0, keepdim=True)
+        if norm.training and norm.running_mean is not None:
+            _update_running_stats(norm, mean, var * (count / (count - 1)))
+    else:
+        mean, var = norm.running_mean.view(per_channel), norm.running_var.view(per_channel)
+    out = ((upcast - mean) * torch.rsqrt(var + norm.eps)).to(x.dtype)
+    if norm.weight is not None:
+        out = out * norm.weight.view(per_channel) + norm.bias.view(per_channel)
+    return out
+
+
+def _update_running_stats(norm, mean, unbiased_var) -> None:
+    """torch's update: the batch's mean of the samples' statistics, weighted by `momentum` (None: 0, no update)."""
+    momentum = norm.momentum if norm.momentum is not None else 0.0
+    with torch.no_grad():
+        for running, stat in ((norm.running_mean, mean), (norm.running_var, unbiased_var)):
+            running.mul_(1 - momentum).add_(stat.mean(0).flatten().to(running.dtype), alpha=momentum)

@@ -128,6 +128,40 @@ def test_multihead_attention_training_keeps_the_batch_sharded(batch_first, masks
         torch.testing.assert_close(spmd.to_global(p.grad), plain.grad, msg=name)
 
 
+@pytest.mark.parametrize("affine,running", [(False, False), (True, False), (True, True)],
+                         ids=["plain", "affine", "running_stats"])
+@pytest.mark.parametrize("layout", [["batch", "model", U, U], [U, "model", U, U], ["batch", U, U, U]])
+def test_instance_norm_keeps_the_batch_and_the_channels_sharded(affine, running, layout):
+    """torch folds the batch into the channels to run a batch norm, a fold with no block layout when both are
+    sharded (the norm gathered the channels): each sample's channels are normalised on their own device instead,
+    with no collective; only the running statistics' update (a value per channel) is all-reduced over the batch,
+    and gathered to their replicated buffers from the sharded channels. In eval mode they normalise, as torch's."""
+    mesh = spmd.create_mesh([("batch", 2), ("model", 2)])
+    torch.manual_seed(0)
+    plain = nn.InstanceNorm2d(4, affine=affine, track_running_stats=running).double()
+    if affine:
+        nn.init.normal_(plain.weight), nn.init.normal_(plain.bias)
+    norm = spmd.distribute_module(copy.deepcopy(plain), mesh)
+    for training in (True, False):
+        plain.train(training), norm.train(training)
+        x = torch.randn(4, 4, 3, 5, dtype=torch.float64, requires_grad=True)
+        dx = spmd.copy_to_mesh(x.detach(), Layout(layout, mesh)).requires_grad_()
+        out, forward = issued(lambda: norm(dx))
+        want = plain(x)
+        assert specs(out) == layout
+        torch.testing.assert_close(spmd.to_global(out), want)
+        updates = [("all_reduce", ("batch",))] * (layout[0] == "batch") + [("all_gather", ("model",))] * (
+            layout[1] == "model")  # per statistic: the batch's mean, gathered from the sharded channels
+        assert forward == (updates * 2 if running and training else [])
+        want.backward(want.detach().cos())
+        out.backward(spmd.copy_to_mesh(want.detach().cos(), Layout(layout, mesh)))
+        torch.testing.assert_close(spmd.to_global(dx.grad), x.grad)
+        for p, q in zip(norm.parameters(), plain.parameters()):
+            torch.testing.assert_close(spmd.to_global(p.grad), q.grad)
+        for b, c in zip(norm.buffers(), plain.buffers()):
+            torch.testing.assert_close(spmd.to_global(b) if spmd.is_dtensor(b) else b, c)
+
+
 @pytest.mark.parametrize("mode,padding_idx,weighted", [("sum", None, False), ("sum", 2, True), ("mean", None, False),
                                                        ("mean", 2, False), ("max", None, False), ("max", 2, False)])
 def test_embedding_bags_of_a_sharded_batch_stay_sharded(mode, padding_idx, weighted):
