@@ -103,7 +103,7 @@ def replicates_plain() -> bool:
 # -- composite ops that make plain tensors inside: implicit replication by themselves ------------------------------
 # torch decomposes these CompositeImplicitAutograd ops in C++, at the autograd key, into ops that mix a plain
 # tensor it made (one_hot's zeros, the math attention kernel's causal mask, quantile's ranks, combinations' mask,
-# matrix_rank's tolerance) with the DTensor inputs; `__torch_dispatch__` then sees the plain tensor but not who made
+# matrix_rank's tolerance, the target lengths by which ctc_loss divides its losses when given them as a list) with the DTensor inputs; `__torch_dispatch__` then sees the plain tensor but not who made
 # it. A kernel above autograd (see engine/rules/host_values.py; no other op pays anything) runs them under implicit
 # replication, after checking that no plain tensor came from the caller, and any check torch runs only for plain
 # inputs.
@@ -125,7 +125,7 @@ def _check_labels(labels: DTensor, num_classes: int = -1) -> None:
 _MAKE_PLAIN_TENSORS = {torch.ops.aten.one_hot.default: _check_labels,
                        torch.ops.aten.scaled_dot_product_attention.default: None,
                        torch.ops.aten.quantile.scalar: None, torch.ops.aten.quantile.default: None,
-                       torch.ops.aten.combinations.default: None}
+                       torch.ops.aten.combinations.default: None, torch.ops.aten.ctc_loss.IntList: None}
 
 
 def _replicating_inside(overload, check):

@@ -28,7 +28,7 @@ _FORWARD, _BACKWARD, _BOTH = ("forward",), ("backward",), ("forward", "backward"
 UNSUPPORTED = {
     # no rule, and torch has no meta kernel to check the call on
     "histogram": _FORWARD, "histogramdd": _FORWARD, "linalg.lstsq": _FORWARD,
-    "linalg.lstsq.grad_oriented": _FORWARD, "nn.functional.ctc_loss": _BOTH,
+    "linalg.lstsq.grad_oriented": _FORWARD,
     # F.linear_cross_entropy and its OpInfos are new after torch 2.11
     **({"nn.functional.linear_cross_entropy.chunked_none": _BACKWARD}
        if hasattr(torch.nn.functional, "linear_cross_entropy") else {}),

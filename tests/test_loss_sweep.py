@@ -4,7 +4,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.sweep import check_op
+import spmd
+from spmd import UNSHARDED as U, Layout
+from tests.sweep import Const, check_op, issued
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
@@ -13,3 +15,62 @@ def test_mse_loss(reduction, shape):
     torch.manual_seed(0)
     x, target = torch.randn(shape, dtype=torch.float64), torch.randn(shape, dtype=torch.float64)
     assert check_op(lambda a, b: F.mse_loss(a, b, reduction=reduction), [x, target]) > 0
+
+
+def _ctc_inputs():
+    torch.manual_seed(0)
+    log_probs = torch.randn(6, 4, 5, dtype=torch.float64).log_softmax(2)  # [T, N, C]
+    targets = torch.tensor([[1, 2, 2], [3, 1, 0], [4, 0, 0], [2, 0, 0]])  # padded: the last half's are shorter
+    return log_probs, targets, torch.tensor([6, 5, 6, 4]), torch.tensor([3, 2, 1, 1])
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("lengths", ["tensors", "lists"])
+def test_ctc_loss_for_every_layout(reduction, lengths):
+    """Each device aligns its own samples: values and log-probabilities' gradients as torch's, for every layout of
+    log-probabilities, padded targets and lengths (a sharded time or class axis is gathered)."""
+    log_probs, targets, input_lengths, target_lengths = _ctc_inputs()
+    if lengths == "tensors":
+        fn = lambda lp, t, il, tl: F.ctc_loss(lp, t, il, tl, reduction=reduction)  # noqa: E731
+        inputs = [log_probs, Const(targets), Const(input_lengths), Const(target_lengths)]
+    else:
+        fn = lambda lp, t: F.ctc_loss(lp, t, input_lengths.tolist(), target_lengths.tolist(),  # noqa: E731
+                                      reduction=reduction)
+        inputs = [log_probs, Const(targets)]
+    assert check_op(fn, inputs, sample=24) > 8
+
+
+def test_ctc_loss_over_a_sharded_batch_issues_no_collective():
+    """Log-probabilities and padded targets sharded over the batch, the lengths whole (the widest target sets
+    `log_alpha`'s width): each device's samples, forward and backward, with no collective."""
+    log_probs, targets, input_lengths, target_lengths = _ctc_inputs()
+    mesh = spmd.create_mesh([("batch", 2)])
+    rows = lambda t, rank: spmd.copy_to_mesh(t, Layout(["batch"] + [U] * (rank - 1), mesh))  # noqa: E731
+    lp = spmd.copy_to_mesh(log_probs, Layout([U, "batch", U], mesh)).requires_grad_()
+    whole = [spmd.copy_to_mesh(t, Layout([U], mesh)) for t in (input_lengths, target_lengths)]
+    loss, forward = issued(lambda: F.ctc_loss(lp, rows(targets, 2), *whole, reduction="none"))
+    _, backward = issued(lambda: loss.backward(rows(torch.ones(4, dtype=torch.float64), 1)))
+    assert forward == [] and backward == []
+    assert spmd.fetch_layout(loss).sharding_specs == ["batch"]
+    assert spmd.fetch_layout(lp.grad).sharding_specs == [U, "batch", U]
+    plain = log_probs.clone().requires_grad_()
+    want = F.ctc_loss(plain, targets, input_lengths, target_lengths, reduction="none")
+    want.sum().backward()
+    torch.testing.assert_close(spmd.to_global(loss), want)
+    torch.testing.assert_close(spmd.to_global(lp.grad), plain.grad)
+
+
+def test_ctc_loss_of_concatenated_targets_runs_replicated():
+    """1-D targets (each sample's after the other's, as HuggingFace's CTC heads pass them) cannot be split by
+    sample: the loss is computed replicated, equal to torch's."""
+    log_probs, targets, input_lengths, target_lengths = _ctc_inputs()
+    flat = torch.cat([t[:n] for t, n in zip(targets, target_lengths)])
+    mesh = spmd.create_mesh([("batch", 2)])
+    lp = spmd.copy_to_mesh(log_probs, Layout([U, "batch", U], mesh)).requires_grad_()
+    loss = F.ctc_loss(lp, spmd.copy_to_mesh(flat, Layout([U], mesh)), input_lengths, target_lengths)
+    loss.backward()
+    plain = log_probs.clone().requires_grad_()
+    want = F.ctc_loss(plain, flat, input_lengths, target_lengths)
+    want.backward()
+    torch.testing.assert_close(spmd.to_global(loss), want)
+    torch.testing.assert_close(spmd.to_global(lp.grad), plain.grad)
