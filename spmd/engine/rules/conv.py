@@ -80,7 +80,7 @@ class _Conv:
 
 def _group_dim(call: OpCall, groups: int, candidates: tuple, batch) -> str | None:
     """The mesh dim (the input channels', else the weight's first axis') whose shards hold whole groups."""
-    return next((m for m in candidates if isinstance(m, str) and m != batch and groups % call.shards(m) == 0), None)
+    return next((m for m in candidates if m is not None and m != batch and groups % call.shards(m) == 0), None)
 
 
 @register(aten.convolution.default)

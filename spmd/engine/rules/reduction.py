@@ -398,7 +398,7 @@ def prod_rule(call: OpCall) -> Decision:
     r = spec.rank
     dims = tuple(range(r)) if call.func is aten.prod.default else (norm_dim(arg(call, "dim"), r),) if r else ()
     sharded = [(d, spec.axes[d]) for d in dims if spec.axes[d] is not None and call.mesh.dim_size(spec.axes[d]) > 1]
-    if not sharded or not all(isinstance(m, str) for _, m in sharded):  # (an axis over several mesh dims: gathered)
+    if not sharded:
         return reduce_rule(call, "gather")
     keepdim, dtype = bool(arg(call, "keepdim", False)), arg(call, "dtype")
 
