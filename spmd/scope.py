@@ -103,10 +103,10 @@ def replicates_plain() -> bool:
 # -- composite ops that make plain tensors inside: implicit replication by themselves ------------------------------
 # torch decomposes these CompositeImplicitAutograd ops in C++, at the autograd key, into ops that mix a plain
 # tensor it made (one_hot's zeros, the math attention kernel's causal mask, quantile's ranks, combinations' mask,
-# matrix_rank's tolerance, the target lengths by which ctc_loss divides its losses when given them as a list) with the DTensor inputs; `__torch_dispatch__` then sees the plain tensor but not who made
-# it. A kernel above autograd (see engine/rules/host_values.py; no other op pays anything) runs them under implicit
-# replication, after checking that no plain tensor came from the caller, and any check torch runs only for plain
-# inputs.
+# matrix_rank's tolerance, the target lengths by which ctc_loss divides its losses when given them as a list) with
+# the DTensor inputs; `__torch_dispatch__` then sees the plain tensor but not who made it. A kernel above autograd
+# (see engine/rules/host_values.py; no other op pays anything) runs them under implicit replication, after checking
+# that no plain tensor came from the caller, and any check torch runs only for plain inputs.
 
 
 def _check_labels(labels: DTensor, num_classes: int = -1) -> None:

@@ -415,6 +415,9 @@ class WholeStep:
     def _trace(self, leaves: list, spec) -> _Trace:
         with Forbidding(self._forbid, self._name) if self._forbid else contextlib.nullcontext():
             state, gm, inputs, outputs = self._graph(leaves, spec)
+        outputs["unread"] = _drop_unread_gradients(gm, state, outputs["grads"])
+        first = len(state.dtensors) + len(state.slots)
+        inputs = [x for i, x in enumerate(inputs) if i - first not in outputs["unread"]]
         self.count += 1
         return _Trace(state, state.key(), self._compile(gm, inputs), outputs)
 
@@ -463,9 +466,6 @@ class WholeStep:
                              f"tensor(s) (the first of shape {list(written[0].shape)}) that are neither its arguments "
                              "nor state of the modules, optimizers or DTensors it names, so the graph would keep them "
                              "as constants; pass them as arguments, or name them in the step")
-        outputs["unread"] = _drop_unread_gradients(gm, state, outputs["grads"])
-        first = len(state.dtensors) + len(state.slots)
-        inputs = [x for i, x in enumerate(inputs) if i - first not in outputs["unread"]]
         return state, gm, inputs, outputs
 
     def _error(self, why: str) -> TraceError:

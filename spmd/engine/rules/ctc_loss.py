@@ -27,7 +27,8 @@ _ROLES = {aten._ctc_loss.Tensor: ("log_probs", "targets", "lengths", "lengths"),
           aten._ctc_loss.default: ("log_probs", "targets"),
           aten._ctc_loss_backward.Tensor: ("row", "log_probs", "targets", "lengths", "lengths", "row", "alpha"),
           aten._ctc_loss_backward.default: ("row", "log_probs", "targets", "row", "alpha")}
-_LENGTH_LISTS = {aten._ctc_loss.default: (2, 3), aten._ctc_loss_backward.default: (3, 4)}  # int[] lengths
+# the positions of the int[] lengths (input's, target's)
+_LENGTH_LISTS = {aten._ctc_loss.default: (2, 3), aten._ctc_loss_backward.default: (3, 4)}
 _FORWARD = (aten._ctc_loss.Tensor, aten._ctc_loss.default)
 
 
@@ -40,6 +41,11 @@ def _axes(role: str, rank: int, batch) -> tuple:
     if role == "lengths":
         return (None,)
     return (batch,) + (None,) * (rank - 1)
+
+
+def _alpha_width(target_lengths) -> int:
+    """The last axis of torch's `log_alpha`: `2 * max(target_lengths) + 1`."""
+    return 2 * max(map(int, target_lengths)) + 1
 
 
 def _batch_dim(call: OpCall, roles: tuple):
@@ -69,13 +75,12 @@ def ctc_loss_rule(call: OpCall) -> Decision:
     def kernel(locals_, args, kwargs):
         results, width = [], None
         if forward and block is not None:
-            lengths = locals_[target_lengths][0] if target_lengths is not None else args[3]
-            width = 2 * max(map(int, lengths)) + 1
+            width = _alpha_width(locals_[target_lengths][0] if target_lengths is not None else args[lists[1]])
         for device in range(locals_[0].shape[0]):  # (one copy where every input is replicated)
             tensors = [mine(x[device], device) if role == "lengths" else x[device] for x, role in zip(locals_, roles)]
             if not forward and block is not None:  # its own samples' log_alpha width, as torch's kernel reads it
-                lengths = tensors[target_lengths] if target_lengths is not None else mine(args[4], device)
-                tensors[-1] = tensors[-1][..., :2 * max(map(int, lengths)) + 1]  # (log_alpha: the last tensor)
+                lengths = tensors[target_lengths] if target_lengths is not None else mine(args[lists[1]], device)
+                tensors[-1] = tensors[-1][..., :_alpha_width(lengths)]  # (log_alpha: the last tensor)
             device_args, device_kwargs = replace_tensors(args, kwargs, tensors)
             device_args = tuple(mine(a, device) if i in lists else a for i, a in enumerate(device_args))
             results.append(call.func(*device_args, **device_kwargs))
