@@ -70,16 +70,52 @@ class SpmdSide:
         return self._redistribute.run(self.partial, self.mesh, self.ar_steps)
 
 
+class _Rewrap(torch.Tensor):
+    """The least a wrapper tensor subclass can do per op: unwrap the arguments, run the op, wrap the results. What
+    it costs beyond plain torch is torch's own price for a Python subclass (the floor under spmd's and torch
+    DTensor's eager overhead)."""
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, inner: torch.Tensor, requires_grad: bool = False):
+        out = torch.Tensor._make_wrapper_subclass(cls, inner.shape, strides=inner.stride(), dtype=inner.dtype,
+                                                  device=inner.device, requires_grad=requires_grad)
+        out.inner = inner
+        return out
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        out = func(*[_unwrapped(a) for a in args], **{k: _unwrapped(v) for k, v in (kwargs or {}).items()})
+        return cls(out) if isinstance(out, torch.Tensor) else out
+
+
+def _unwrapped(arg):
+    if isinstance(arg, _Rewrap):
+        return arg.inner
+    if isinstance(arg, (list, tuple)):  # (the indices of `x[mask]`)
+        return [_unwrapped(a) for a in arg]
+    return arg
+
+
 def op_cases(n: int, A, B, sides: dict[int, SpmdSide], dt) -> list[tuple[str, dict]]:
-    """[(op name, {column: fn})]: columns 'plain', 'spmd1', 'spmd8', 'stack8' (the stacked local kernel spmd
-    runs on 8 devices, i.e. the work with zero overhead) and 'dt' (torch DTensor ws=1)."""
+    """[(op name, {column: fn})]: columns 'plain', 'floor' (`_Rewrap`), 'spmd1', 'spmd8', 'stack8' (the stacked
+    local kernel spmd runs on 8 devices, i.e. the work with zero overhead) and 'dt' (torch DTensor ws=1)."""
     a, b = A.clone(), B.clone()
     a_g = A.clone().requires_grad_()
+    fa, fb, fa_g, fmask = _Rewrap(A.clone()), _Rewrap(B.clone()), _Rewrap(A.clone(), requires_grad=True), _Rewrap(A > 0)
+    floors = {"mm R@R": lambda: torch.mm(fa, fb), "add S0+S0": lambda: fa + fb, "relu S0": lambda: torch.relu(fa),
+              "view S0 → (n, n/2, 2)": lambda: fa.view(n, n // 2, 2), "t() S0 → S1": lambda: fa.t(),
+              "mm S0@R fwd, requires_grad": lambda: torch.mm(fa_g, fb)}
+    floors.update({"mm S0@R": floors["mm R@R"], "mm S1@S0 (contraction; spmd all-reduces, DT → Partial)":
+                   floors["mm R@R"], "sum S0 → scalar (spmd all-reduces, DT → Partial)": lambda: fa.sum(),
+                   "x[mask] S0 (a replicated result: spmd gathers both, DT raises)": lambda: fa[fmask]})
     s1, s8 = sides.get(1), sides.get(8)
     rows = []
 
     def row(name, plain, spmd_fn, stack_fn, dt_fn):
         cols = {"plain": plain}
+        if name in floors:
+            cols["floor"] = floors[name]
         for k, s in (("spmd1", s1), ("spmd8", s8)):
             if s is not None:
                 cols[k] = (lambda s=s: spmd_fn(s))
@@ -342,19 +378,23 @@ def caption(data: dict) -> str:
 
 def readme_table(data: dict) -> str:
     """README.md's per-op table (plain torch, spmd on 1 device, torch DT at ws=1) from ops.json."""
-    def medians(section, case):  # µs: plain torch (relayouts: the raw data movement), spmd 1-dev, torch DT
+    def medians(section, case):  # µs: plain torch (relayouts: the raw data movement), floor, spmd 1-dev, torch DT
         if section == "cache":
-            return tuple(med(data["cache"], k) for k in ("plain", f"spmd1 {case}", f"dt {case}"))
+            return tuple(med(data["cache"], k) for k in ("plain", "floor", f"spmd1 {case}", f"dt {case}"))
         r = data[section][case]
-        return med(r, "raw1" if section == "relayout" else "plain"), med(r, "spmd1"), med(r, "dt")
+        return med(r, "raw1" if section == "relayout" else "plain"), med(r, "floor"), med(r, "spmd1"), med(r, "dt")
+
+    def cell(values):
+        return " / ".join(map(fmt, values)) if any(v is not None for v in values) else "–"
 
     rows = []
     for label, section, cases in README_ROWS:
-        plain, s, d = zip(*(medians(section, c) for c in cases))
-        rows.append([label, " / ".join(map(fmt, plain)) + (" (raw)" if section == "relayout" else ""),
-                     " / ".join(map(fmt, s)), " / ".join(map(fmt, d)), " / ".join(map(ratio, s, d))])
+        plain, floor, s, d = zip(*(medians(section, c) for c in cases))
+        rows.append([label, cell(plain) + (" (raw)" if section == "relayout" else ""), cell(floor), cell(s), cell(d),
+                     " / ".join(map(ratio, s, d)), " / ".join(map(ratio, s, floor)) if any(floor) else "–"])
     n = data["n"]
-    hdr = [f"op, {n}×{n} fp32, µs per call", "plain torch", "spmd, 1 device", "torch DT, ws=1", "spmd / torch DT"]
+    hdr = [f"op, {n}×{n} fp32, µs per call", "plain torch", "Python subclass floor", "spmd, 1 device",
+           "torch DT, ws=1", "spmd / torch DT", "spmd / floor"]
     return caption(data) + "\n\n" + md_table(hdr, rows)
 
 
@@ -392,22 +432,23 @@ def main(argv=None) -> dict:
     elapsed = time.time() - t0
 
     # per-op table
-    hdr = ["op", "plain torch", "spmd 1-dev", "spmd 8-dev", "8-dev stacked kernel", "torch DT ws=1",
-           "spmd1/torch", "spmd1/DT", "spmd8/DT", "ovh spmd1 (−plain)", "ovh spmd8 (−stacked)", "ovh DT (−plain)"]
+    hdr = ["op", "plain torch", "subclass floor", "spmd 1-dev", "spmd 8-dev", "8-dev stacked kernel", "torch DT ws=1",
+           "spmd1/torch", "spmd1/floor", "spmd1/DT", "spmd8/DT", "ovh spmd1 (−plain)", "ovh spmd8 (−stacked)",
+           "ovh DT (−plain)"]
     rows = []
     for name, r in ops:
-        pl, s1, s8, st, d = (med(r, c) for c in ("plain", "spmd1", "spmd8", "stack8", "dt"))
+        pl, fl, s1, s8, st, d = (med(r, c) for c in ("plain", "floor", "spmd1", "spmd8", "stack8", "dt"))
         if name.startswith(("wrap", "unwrap")):
             pl = st = None
-        rows.append([name, fmt(pl), fmt(s1), fmt(s8), fmt(st), fmt(d), ratio(s1, pl), ratio(s1, d), ratio(s8, d),
-                     diff(s1, pl), diff(s8, st), diff(d, pl)])
+        rows.append([name, fmt(pl), fmt(fl), fmt(s1), fmt(s8), fmt(st), fmt(d), ratio(s1, pl), ratio(s1, fl),
+                     ratio(s1, d), ratio(s8, d), diff(s1, pl), diff(s8, st), diff(d, pl)])
     plain_mm_small = cache["plain"]["median"]
     for label in ("hit", "miss"):
         s1, s8 = cache[f"spmd1 {label}"]["median"], cache[f"spmd8 {label}"]["median"]
         d = cache.get(f"dt {label}", {}).get("median")
         rows.append([f"cache {label.upper()}: mm S0@R (m×k)@(k×8), {'same shapes again' if label == 'hit' else f'first call on {shapes} fresh shapes'}",
-                     fmt(plain_mm_small), fmt(s1), fmt(s8), "–", fmt(d), ratio(s1, plain_mm_small), ratio(s1, d),
-                     ratio(s8, d), diff(s1, plain_mm_small), "–", diff(d, plain_mm_small)])
+                     fmt(plain_mm_small), "–", fmt(s1), fmt(s8), "–", fmt(d), ratio(s1, plain_mm_small), "–",
+                     ratio(s1, d), ratio(s8, d), diff(s1, plain_mm_small), "–", diff(d, plain_mm_small)])
     errors = [f"- {name} / {col}: {v['error']}" for name, r in ops + rel for col, v in r.items() if "error" in v]
     ops_md = md_table(hdr, rows)
 
@@ -435,7 +476,9 @@ def main(argv=None) -> dict:
         f"{caption(data)} Run time {elapsed:.0f} s" + (" — QUICK smoke run, numbers are noise." if a.quick else "."),
         "",
         "spmd: 1-device mesh `create_mesh([('x',1)])` and 8 virtual CPU devices `[('x',8)]` in one process; torch "
-        "DT: `torch.distributed.tensor` on a gloo group of world size 1 in the same process. *8-dev stacked kernel* "
+        "DT: `torch.distributed.tensor` on a gloo group of world size 1 in the same process. *Subclass floor*: a "
+        "wrapper tensor subclass whose `__torch_dispatch__` only unwraps, runs the op and wraps (torch's own cost of "
+        "a Python subclass, which spmd and torch DT both pay). *8-dev stacked kernel* "
         "is the torch op spmd runs on the stacked components `(8, *local)` (the work with zero overhead); an op "
         "on a replicated tensor does 8× the FLOPs on 8 virtual devices. Ratios: spmd/torch = spmd ÷ plain, "
         "spmd/DT = spmd ÷ torch DT; ovh = time − baseline in µs.", "",
