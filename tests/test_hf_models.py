@@ -172,3 +172,35 @@ def test_function_trains_llama_and_returns_its_output(mesh):
         _close(spmd.to_global(out.logits), want.logits.detach(), "logits")
         torch.testing.assert_close(out.loss.item(), want.loss.item(), rtol=1e-5, atol=0)
     assert compiled.experimental_get_tracing_count() == 1
+
+
+def _mixtral():
+    config = transformers.MixtralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
+                                        max_position_embeddings=32, num_local_experts=4, num_experts_per_tok=2)
+    return transformers.MixtralForCausalLM(config)
+
+
+@pytest.mark.parametrize("experts", [None, "model"], ids=["data_parallel", "expert_parallel"])
+def test_mixture_of_experts_trains_unchanged(mesh, experts):
+    """Mixtral's experts run as one grouped product (`torch._grouped_mm`) over the tokens sorted by expert. With the
+    experts sharded over "model" each device multiplies only its own experts' tokens: one all-reduce over "model"
+    per grouped product completes the layer; data parallel, nothing is reduced over "model"."""
+    torch.manual_seed(0)
+    ref = _mixtral()
+    layouts = {r"experts\.(gate_up_proj|down_proj)$": [experts, U, U]} if experts else {}
+    model = spmd.distribute_module(copy.deepcopy(ref), mesh, LayoutMap(layouts))
+    ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(1))
+    rows = spmd.copy_to_mesh(ids, Layout(["batch", U], mesh))
+    with Recorder() as forward:
+        loss = model(input_ids=rows, labels=rows).loss
+    loss.backward()
+    want = ref(input_ids=ids, labels=ids).loss
+    want.backward()
+    torch.testing.assert_close(loss.item(), want.item(), rtol=1e-5, atol=0)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        _close(spmd.to_global(p.grad), q.grad, name)
+        if "experts" in name:
+            assert spmd.fetch_layout(p.grad).sharding_specs == [experts or U, U, U], name
+    over_model = [c for c in forward.collectives if "model" in c.mesh_dims]
+    assert [c.kind for c in over_model] == (["all_reduce"] * 4 if experts else [])  # 2 layers x (up, down)
