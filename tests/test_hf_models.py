@@ -174,20 +174,24 @@ def test_function_trains_llama_and_returns_its_output(mesh):
     assert compiled.experimental_get_tracing_count() == 1
 
 
-def _mixtral():
+def _mixtral(implementation):
     config = transformers.MixtralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
-                                        max_position_embeddings=32, num_local_experts=4, num_experts_per_tok=2)
+                                        max_position_embeddings=32, num_local_experts=4, num_experts_per_tok=2,
+                                        experts_implementation=implementation)
     return transformers.MixtralForCausalLM(config)
 
 
-@pytest.mark.parametrize("experts", [None, "model"], ids=["data_parallel", "expert_parallel"])
-def test_mixture_of_experts_trains_unchanged(mesh, experts):
+@pytest.mark.filterwarnings("ignore:spmd. the shape of aten.nonzero")  # (the loop's token lists: gathered, it says)
+@pytest.mark.parametrize("implementation, experts", [("grouped_mm", None), ("grouped_mm", "model"), ("eager", None)],
+                         ids=["data_parallel", "expert_parallel", "data_parallel_loop"])
+def test_mixture_of_experts_trains_unchanged(mesh, implementation, experts):
     """Mixtral's experts run as one grouped product (`torch._grouped_mm`) over the tokens sorted by expert. With the
     experts sharded over "model" each device multiplies only its own experts' tokens: one all-reduce over "model"
-    per grouped product completes the layer; data parallel, nothing is reduced over "model"."""
+    per grouped product completes the layer; data parallel, nothing is reduced over "model". transformers' eager
+    loop over the experts adds each one's outputs into the batch-sharded tokens (`index_add_`) where they are."""
     torch.manual_seed(0)
-    ref = _mixtral()
+    ref = _mixtral(implementation)
     layouts = {r"experts\.(gate_up_proj|down_proj)$": [experts, U, U]} if experts else {}
     model = spmd.distribute_module(copy.deepcopy(ref), mesh, LayoutMap(layouts))
     ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(1))

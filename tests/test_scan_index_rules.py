@@ -101,6 +101,9 @@ INDEXING = {
     # rows added at their indices, both sharded alike: a pending sum (index_select's gradient)
     "index_add_rows": (lambda x, i, s: x.index_add(0, i, s, alpha=2.0), [rand(4, 4), _ix(3, 0, 3, 1),
                                                                          rand(4, 4, seed=1)]),
+    # in place into a target of any layout: a sharded one keeps its layout, each device adding its own rows
+    "index_add_into_rows": (lambda x, i, s: x.clone().index_add_(0, i, s, alpha=2.0),
+                            [rand(4, 4), _ix(3, 0, 3, 1), rand(4, 4, seed=1)]),
     "scatter_add_rows": (lambda x, i, s: x.scatter_add(1, i, s), [rand(4, 4), _ix([0, 3], [1, 1], [2, 0], [3, 3]),
                                                                   rand(4, 2, seed=1)]),
     "index_fill": (lambda x, i: x.index_fill(0, i, -1.0), [rand(4, 4), _ix(1, 2)]),
@@ -245,6 +248,19 @@ def test_a_lookup_at_sharded_indices_keeps_them_sharded_and_its_gradient_is_one_
     _, collectives = issued(lambda: (out.backward(_dist(rand(4, 4, seed=1), "x", U)), spmd.to_global(table.grad)))
     assert collectives == [("all_reduce", ("x",))]
     torch.testing.assert_close(spmd.to_global(table.grad), reference.grad)
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_index_add_into_sharded_rows_keeps_them_sharded_without_collectives(inplace):
+    """A mixture-of-experts layer adds each expert's outputs to its tokens' rows: with the rows sharded and the
+    indices whole, each device adds the rows in its block (an index repeated, or in another block, included)."""
+    x, rows, values = rand(4, 4), torch.tensor([3, 0, 3, 1, 2]), rand(5, 4, seed=1)
+    target, source = _dist(x, "x", "y"), _dist(values, U, "y")
+    add = torch.Tensor.index_add_ if inplace else torch.Tensor.index_add
+    out, collectives = issued(lambda: add(target.clone(), 0, rows, source, alpha=2.0))
+    assert collectives == []
+    assert spmd.fetch_layout(out).sharding_specs == ["x", "y"]
+    torch.testing.assert_close(spmd.to_global(out), x.index_add(0, rows, values, alpha=2.0))
 
 
 def test_take_reads_a_replicated_tensor_at_sharded_indices_without_collectives():

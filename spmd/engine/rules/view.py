@@ -598,6 +598,8 @@ def index_add_rule(call: OpCall) -> Decision:
         summed = _index_add_of_sharded_rows(call, dim)
         if summed is not None:
             return summed
+    if call.func in _ADDS and self_.axes[dim] is not None and source.rank == self_.rank:
+        return _index_add_into_sharded_rows(call, dim, inplace)
     axes = tuple(None if i == dim else m for i, m in enumerate(self_.axes)) if inplace else \
         _merged([self_, source], skip=dim)
     source_axes = axes if source.rank == self_.rank else ()
@@ -612,6 +614,30 @@ def index_add_rule(call: OpCall) -> Decision:
                            f"index {{}} is out of bounds for dimension {dim} with size {size}")
         return call.func(locals_[0], dim + 1, index, rows, *args[4:], **kwargs)
     return Decision((axes, (None,) * index.rank, source_axes), (axes,), kernel, inplace=inplace)
+
+
+def _index_add_into_sharded_rows(call: OpCall, dim: int, inplace: bool) -> Decision:
+    """`index_add` into a `self` sharded along `dim` (a mixture-of-experts layer adding each expert's output to its
+    tokens): `self` keeps its layout, the indices and the source's rows are whole, and each device adds the rows
+    whose indices fall in its block (the others' values masked to zeros at a clamped index)."""
+    self_ = call.specs[0]
+    m = self_.axes[dim]
+    block = self_.shape[dim] // call.shards(m)
+    starts, alpha, size = block_starts(call, m, block), arg(call, "alpha", 1), self_.shape[dim]
+    rows_shape = [-1 if i == dim else 1 for i in range(self_.rank)]
+
+    def kernel(locals_, args, kwargs):
+        x, index, values = locals_
+        index = index[0].reshape(-1)
+        check_in_range(index, size, RuntimeError, f"index {{}} is out of bounds for dimension {dim} with size {size}")
+        out = x if inplace else x.clone()
+        for device, start in enumerate(starts):
+            local = index - start
+            mine = ((local >= 0) & (local < block)).view(rows_shape)
+            out[device].index_add_(dim, local.clamp(0, block - 1), torch.where(mine, values[device], 0), alpha=alpha)
+        return out
+    source_axes = tuple(None if i == dim else a for i, a in enumerate(self_.axes))
+    return Decision((self_.axes, (None,) * call.specs[1].rank, source_axes), (self_.axes,), kernel, inplace=inplace)
 
 
 def _index_add_of_sharded_rows(call: OpCall, dim: int) -> Decision | None:
