@@ -57,7 +57,8 @@ class default_mesh(contextlib.ContextDecorator):
 def implicit_replication():
     """Inside the block, a plain tensor that meets DTensors in an op is taken as replicated on their mesh instead
     of raising `MixedTensorError` — for code that makes plain tensors holding global values (a mask from
-    `torch.arange`). The price is one copy of it per device. An op writing into a plain tensor still raises.
+    `torch.arange`). The price is one copy of it per device. An op writing DTensors into a plain tensor (a cache
+    a model allocated for itself) writes their global values, gathered (each such op warns once).
     (Derivative formulas and the composite ops that make plain tensors inside, such as `F.one_hot` and the math
     attention kernel, take them this way by themselves.)
 

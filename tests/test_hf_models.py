@@ -208,3 +208,30 @@ def test_mixture_of_experts_trains_unchanged(mesh, implementation, experts):
             assert spmd.fetch_layout(p.grad).sharding_specs == [experts or U, U, U], name
     over_model = [c for c in forward.collectives if "model" in c.mesh_dims]
     assert [c.kind for c in over_model] == (["all_reduce"] * 4 if experts else [])  # 2 layers x (up, down)
+
+
+def _mamba(attn):
+    config = transformers.MambaConfig(hidden_size=32, num_hidden_layers=2, vocab_size=64, state_size=4, expand=2,
+                                      conv_kernel=4, use_mambapy=False)
+    return transformers.MambaForCausalLM(config), {}
+
+
+@pytest.mark.filterwarnings("ignore:spmd. aten")  # (the caches' writes gather, and say so)
+@pytest.mark.parametrize("build, cache", [(_llama, "dynamic"), (_llama, "static"), (_mamba, None)],
+                         ids=["llama", "llama_static_cache", "mamba"])
+def test_generate_matches_plain_torch(mesh, build, cache):
+    """`model.generate` under implicit replication, greedy: the tokens plain torch generates. A static KV cache and
+    Mamba's convolution and state caches are plain tensors the model allocates and updates in place: the writes
+    take the DTensors' global values."""
+    torch.manual_seed(0)
+    ref, layouts = build("sdpa")
+    model = spmd.distribute_module(copy.deepcopy(ref), mesh, LayoutMap(layouts))
+    ids = torch.randint(3, 64, (4, 5), generator=torch.Generator().manual_seed(2))
+    options = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    if cache:
+        options["cache_implementation"] = cache
+    with torch.no_grad():
+        want = ref.generate(ids, **options)
+        with spmd.implicit_replication():
+            got = model.generate(spmd.copy_to_mesh(ids, Layout(["batch", U], mesh)), **options)
+    assert torch.equal(spmd.to_global(got) if spmd.is_dtensor(got) else got, want)

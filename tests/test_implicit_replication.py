@@ -100,12 +100,27 @@ def test_a_users_plain_tensor_still_raises_and_the_scope_ends(mesh22):
         x + torch.arange(4.0)
 
 
-def test_an_op_writing_into_a_plain_tensor_is_refused(mesh22):
-    x = spmd.copy_to_mesh(torch.ones(4), Layout(["x"], mesh22))
+def test_an_op_writing_dtensors_into_a_plain_tensor_writes_their_global_values(mesh22):
+    """A plain tensor holds a global value in the scope (a cache a model allocated for itself): a write of DTensors
+    into it writes their global values, gathered and warned about once. Outside the scope it is refused and nothing
+    is written. Written with DTensors that require grad, the plain tensor requires grad too: where it meets
+    DTensors again it is refused (its gradient could not reach them)."""
+    x = spmd.copy_to_mesh(torch.arange(4.0), Layout(["x"], mesh22))
     plain = torch.zeros(4)
-    with spmd.implicit_replication(), pytest.raises(spmd.MixedTensorError, match=r"writes into a plain tensor"):
+    with pytest.raises(spmd.MixedTensorError, match=r"shape \[4\]"):
         plain.add_(x)
-    assert plain.tolist() == [0, 0, 0, 0]
+    with spmd.implicit_replication(), pytest.warns(UserWarning, match=r"writes DTensors into a plain tensor"):
+        _, collectives = issued(plain.add_, x)
+    assert plain.tolist() == [0, 1, 2, 3]
+    assert collectives == [("all_gather", ("x",), False)]
+    with spmd.implicit_replication():
+        plain[1:3].copy_(x[:2])
+    assert plain.tolist() == [0, 0, 1, 3]
+    with spmd.implicit_replication():
+        plain.mul_(x.detach().requires_grad_())
+        assert plain.requires_grad and plain.tolist() == [0, 0, 2, 9]
+        with pytest.raises(spmd.MixedTensorError, match=r"buffer written with DTensors that require grad"):
+            plain * x
 
 
 def test_scatter_in_place_keeps_the_targets_layout(mesh22):

@@ -25,7 +25,8 @@ from spmd.collectives.local import one_copy, share, shared
 from spmd.dtensor import DTensor
 from spmd.engine import foreach, multi_axis, planner, registry
 from spmd.engine import rules  # noqa: F401  (registers every rule)
-from spmd.engine.decision import Decision, OpCall, TensorSpec, is_inplace, unsupported
+from spmd.engine.decision import Decision, OpCall, TensorSpec, unsupported
+from spmd.engine.plain_operands import mixed_tensor_error, small_integers, write_into_plain, writes_plain
 from spmd.engine.rules.common import generic_kernel, replace_tensors
 from spmd.engine.rules.indexing import identity_first_index_as_slice
 from spmd.engine.validate import check_like_torch, name_the_user_dim
@@ -91,27 +92,6 @@ def _sig(a, tensors, blind=False):
     return a
 
 
-def mixed_tensor_error(plain: torch.Tensor) -> MixedTensorError:
-    return MixedTensorError(
-        f"a plain torch.Tensor of shape {list(plain.shape)} was mixed with DTensors; only Python scalars, 0-d "
-        f"tensors and integer or bool tensors of fewer than {SMALL_INTEGER_TENSOR} elements are broadcast "
-        "automatically. Distribute it first: spmd.copy_to_mesh(tensor, layout); where torch made it inside an op's own "
-        "implementation, run the op under spmd.implicit_replication()")
-
-
-# TF DTensor's rule: plain integer tensors of fewer elements than this (indices, shapes, axes: `x[[0, 2]]`) are
-# broadcast to DTensors as replicated; any other plain tensor of rank > 0 is an error. Short bool tensors are indices
-# too here (`x[[True, False, True]]`: torch makes the list a bool mask)
-SMALL_INTEGER_TENSOR = 20
-
-
-def _small_integers(args, kwargs) -> bool:
-    """Whether every plain tensor of rank > 0 among the arguments is a small integer tensor (see above)."""
-    return all(t.dtype in (torch.int32, torch.int64, torch.bool) and t.numel() < SMALL_INTEGER_TENSOR
-               for t in pytree.tree_leaves((args, kwargs))
-               if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) and t.dim() > 0)
-
-
 def dispatch(func, args=(), kwargs=None):
     """Runs an aten op on DTensors."""
     return torch_dispatch(DTensor, func, (), args, kwargs)
@@ -153,19 +133,12 @@ def torch_dispatch(cls, func, types, args=(), kwargs=None):
         if kwargs:
             key.append(tuple([(k, _sig(v, tensors, blind)) for k, v in kwargs.items()]))
     except MixedTensorError as e:
-        if func is torch.ops.aten.copy_.default:
-            if isinstance(args[0], DTensor):
-                return _copy_from_plain(func, args, kwargs)
-            raise MixedTensorError(
-                f"{func}: a DTensor cannot be copied into a plain tensor (of shape {list(args[0].shape)}); gather it "
-                "first: plain.copy_(spmd.to_global(dtensor)). (A plain module loads a distributed one's state with "
-                "module.load_state_dict({k: spmd.to_global(v) for k, v in state.items()}).)") from None
-        if not (_replicates_plain() or _small_integers(args, kwargs)):
+        if func is torch.ops.aten.copy_.default and isinstance(args[0], DTensor):
+            return _copy_from_plain(func, args, kwargs)
+        if writes_plain(func, args):
+            return write_into_plain(func, args, kwargs or {}, e, _replicates_plain())
+        if not (_replicates_plain() or small_integers(args, kwargs)):
             raise MixedTensorError(f"{func}: {e}") from None
-        if _writes_plain(func, args):
-            raise MixedTensorError(f"{func} writes into a plain tensor of shape {list(args[0].shape)} with DTensor "
-                                   "inputs; a DTensor result cannot go there: write into a DTensor "
-                                   "(spmd.copy_to_mesh) instead") from None
         if func is _INDEX:
             leading = identity_first_index_as_slice(args)
             if leading is not None:
@@ -279,11 +252,6 @@ def _replicates_plain() -> bool:
     return bool(custom) and custom.get(TRACED_SCOPE, False)
 
 
-def _writes_plain(func, args) -> bool:
-    """Whether `func` writes a plain first argument (a replicated copy of it would take the write instead)."""
-    return bool(args) and not isinstance(args[0], DTensor) and is_inplace(func)
-
-
 def _replicated_plain(func, args, kwargs):
     """`args` and `kwargs` with every plain tensor of rank > 0 replaced by a replicated DTensor."""
     mesh = next(t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, DTensor))._layout.mesh
@@ -295,7 +263,8 @@ def _replicated_plain(func, args, kwargs):
             raise MixedTensorError(
                 f"{func}: a plain tensor of shape {list(a.shape)} that requires grad met DTensors; its gradient "
                 "would be a DTensor, which it cannot hold. A parameter added to a module after distribute_module? "
-                "Distribute it too (spmd.distribute_module(module, mesh, ...) again, or spmd.DVariable)")
+                "Distribute it too (spmd.distribute_module(module, mesh, ...) again, or spmd.DVariable). A plain "
+                "buffer written with DTensors that require grad? Make it a DTensor (spmd.copy_to_mesh)")
         return distributed(a, Layout.replicated(mesh, a.dim()))
 
     return pytree.tree_map(replicated, (args, kwargs))
