@@ -78,3 +78,23 @@ def test_plain_offsets_are_replicated_when_short():
     many = spmd.copy_to_mesh(rand(32, 4, 4, dtype=torch.float32), _layout(U, U, U))
     with pytest.raises(spmd.MixedTensorError):
         _grouped(dx, many, torch.arange(32, dtype=torch.int32) // 4)
+
+
+def test_sharded_experts_trace_as_they_run():
+    """The expert-parallel kernel reads no offset on the host: `spmd.function` traces it, forward and backward (in
+    bfloat16: torch compiles no other dtype of it)."""
+    x, w = rand(8, 8, dtype=torch.bfloat16), rand(4, 8, 8, dtype=torch.bfloat16, seed=1)
+    dx = spmd.copy_to_mesh(x, _layout(U, U)).requires_grad_()
+    dw = spmd.copy_to_mesh(w, _layout("y", U, "x")).requires_grad_()
+    offs = spmd.copy_to_mesh(OFFSETS, _layout(U))
+
+    def loss(a, b, o):
+        return (_grouped(a, b, o) ** 2).sum()
+    got = spmd.function(loss, backend="aot_eager", fullgraph=True)(dx, dw, offs)
+    got.backward()
+    px, pw = x.clone().requires_grad_(), w.clone().requires_grad_()
+    want = loss(px, pw, OFFSETS)
+    want.backward()
+    torch.testing.assert_close(got.item(), want.item(), rtol=1e-2, atol=0)
+    for got_grad, want_grad in ((dx.grad, px.grad), (dw.grad, pw.grad)):  # (bfloat16's rounding, summed apart)
+        torch.testing.assert_close(spmd.to_global(got_grad), want_grad, rtol=0, atol=0.02 * float(want_grad.abs().max()))

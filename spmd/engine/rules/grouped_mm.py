@@ -10,8 +10,7 @@ Why the rules hold: the offsets index the grouped axis as a whole, so that axis 
 other axes contract like a matrix product (a sharded K leaves a partial sum, a sharded N or M carries to the
 output). Experts sharded over a mesh dim (expert parallelism) are a contraction over the experts: each device
 multiplies only its own experts' rows and leaves zeros in the others', and the output is a partial sum over that
-mesh dim — one all-reduce (or a reduce-scatter, when the next op wants the rows sharded) completes it. That kernel
-reads the offsets' values to find its experts' rows (as torch's own CPU kernel does), so it does not trace.
+mesh dim — one all-reduce (or a reduce-scatter, when the next op wants the rows sharded) completes it.
 torch's kernel takes matrices whose rows start every 16 bytes only; a sharded K or N can make a device's rows
 shorter than that, and such components are multiplied zero-padded (see `_product`).
 """
@@ -20,12 +19,10 @@ from __future__ import annotations
 
 import torch
 
-from spmd.collectives.local import traced
 from spmd.engine.decision import Decision, OpCall, TensorSpec, unsupported
 from spmd.engine.registry import register
 from spmd.engine.rules.common import block_starts
 from spmd.engine.rules.contraction import einsum_axes
-from spmd.errors import UnsupportedOpError
 
 aten = torch.ops.aten
 
@@ -96,21 +93,21 @@ def _each_device(locals_, args, kwargs):
 
 def _own_experts(starts: list[int], block: int):
     """Each device's product of its own experts' rows (its block of E, starting at `starts[device]`); zeros in
-    the other experts' rows."""
+    the other experts' rows. Its rows are rotated to the front (their first row read off the offsets as a tensor:
+    no value leaves the device, and a trace records the same ops), multiplied, the others zeroed, rotated back."""
     def kernel(locals_, args, kwargs):
         x, w, offs = locals_
-        if traced(offs):
-            raise UnsupportedOpError(
-                "torch._grouped_mm with the experts sharded reads the offsets' values to find each device's rows, "
-                "which a trace does not have: run it eagerly, or with the experts' axis unsharded")
-        ends = [0] + offs[0].tolist()  # (the offsets are whole on every device: one copy's values)
-        out = x.new_zeros(x.shape[:2] + w.shape[-1:], dtype=_options(args, kwargs).get("out_dtype", x.dtype))
+        count = x.shape[1]
+        rows = torch.arange(count, device=x.device)
+        firsts = torch.nn.functional.pad(offs[0], (1, 0))  # expert e's first row; (the offsets are whole)
+        outs = []
         for device, first in enumerate(starts):
-            rows = slice(ends[first], ends[first + block])
-            if rows.stop > rows.start:
-                out[device, rows] = _product(x[device, rows], w[device], offs[device, first:first + block] - rows.start,
-                                             _options(args, kwargs))
-        return out
+            start, stop = firsts[first], firsts[first + block]
+            mine = x[device].index_select(0, (rows + start) % count)
+            product = _product(mine, w[device], offs[device, first:first + block] - start, _options(args, kwargs))
+            product = torch.where((rows < stop - start).unsqueeze(1), product, 0)  # (rows past them: not written)
+            outs.append(product.index_select(0, (rows - start) % count))
+        return torch.stack(outs)
     return kernel
 
 
