@@ -5,12 +5,13 @@ so a device holding a block of the batch — its columns of `log_probs` `[T, N, 
 `[N, S]` and of the lengths — computes those samples' losses (and their `log_alpha`) as torch does, and their
 gradient, with no collective; the reduction of the per-sample losses (a mean over the batch) is ordinary ops after.
 Time and classes are whole on each device (a sample's alignment reads all of them). Targets given concatenated
-(1-D, as HuggingFace's CTC heads pass them) cannot be split by sample without their lengths' values: that loss runs
-replicated, as do unbatched inputs.
+(1-D, as HuggingFace's CTC heads pass them) are whole on each device, which takes its samples' run of them by the
+target lengths' values (read on the host, as torch's own kernels read them). Unbatched inputs run replicated.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -38,7 +39,7 @@ def _axes(role: str, rank: int, batch) -> tuple:
     `[N, T, 2S + 1]`) have the batch first."""
     if role == "log_probs":
         return (None, batch, None) if rank == 3 else (None,) * rank
-    if role == "lengths":
+    if role == "lengths" or (role == "targets" and rank == 1):  # (concatenated targets: cut by the lengths)
         return (None,)
     return (batch,) + (None,) * (rank - 1)
 
@@ -51,9 +52,9 @@ def _alpha_width(target_lengths) -> int:
 def _batch_dim(call: OpCall, roles: tuple):
     """The mesh dim to shard the batch over (the log-probabilities', else the padded targets'), or None."""
     log_probs, targets = call.specs[roles.index("log_probs")], call.specs[roles.index("targets")]
-    if log_probs.rank != 3 or targets.rank != 2:
+    if log_probs.rank != 3:
         return None
-    return log_probs.axes[1] if log_probs.axes[1] is not None else targets.axes[0]
+    return log_probs.axes[1] if log_probs.axes[1] is not None or targets.rank == 1 else targets.axes[0]
 
 
 @register(*_ROLES)
@@ -68,16 +69,24 @@ def ctc_loss_rule(call: OpCall) -> Decision:
     starts = None if batch is None else block_starts(call, batch, block)
     lists = _LENGTH_LISTS.get(call.func, ())
     target_lengths = roles.index("lengths") + 1 if "lengths" in roles else None  # (tensor variant)
+    targets = roles.index("targets")
+    concatenated = call.specs[targets].rank == 1
 
     def mine(x, device):  # a device's samples of a lengths tensor or list
         return x if block is None else x[starts[device]:starts[device] + block]
 
     def kernel(locals_, args, kwargs):
         results, width = [], None
+        all_lengths = locals_[target_lengths][0] if target_lengths is not None else args[lists[1]] if lists else None
         if forward and block is not None:
-            width = _alpha_width(locals_[target_lengths][0] if target_lengths is not None else args[lists[1]])
+            width = _alpha_width(all_lengths)
+        if concatenated and block is not None:  # each device's samples' targets: from the first of its samples' own
+            firsts = [0, *itertools.accumulate(map(int, all_lengths))]
         for device in range(locals_[0].shape[0]):  # (one copy where every input is replicated)
             tensors = [mine(x[device], device) if role == "lengths" else x[device] for x, role in zip(locals_, roles)]
+            if concatenated and block is not None:
+                first = starts[device]
+                tensors[targets] = tensors[targets][firsts[first]:firsts[first + block]]
             if not forward and block is not None:  # its own samples' log_alpha width, as torch's kernel reads it
                 lengths = tensors[target_lengths] if target_lengths is not None else mine(args[lists[1]], device)
                 tensors[-1] = tensors[-1][..., :_alpha_width(lengths)]  # (log_alpha: the last tensor)
