@@ -31,7 +31,8 @@ aten = torch.ops.aten
 def grouped_mm_rule(call: OpCall) -> Decision:
     a, b = call.args[0], call.args[1]
     offs = call.args[2] if len(call.args) > 2 else call.kwargs.get("offs")
-    if (call.args[3:4] or [None])[0] is not None or call.kwargs.get("bias") is not None:
+    bias = call.args[3] if len(call.args) > 3 else call.kwargs.get("bias")
+    if bias is not None:
         raise unsupported(call, "a bias (torch's kernels take none yet)")
     has_offs = offs is not None  # (a DTensor: the dispatcher takes short plain offsets as replicated)
     forms = {(2, 3, True): _rows_by_expert, (2, 2, True): _columns_by_expert, (3, 2, True): _outputs_by_expert,
