@@ -5,8 +5,6 @@ as does an unlisted one that raises. KNOWN_BUGS are strict xfails: a fix fails t
 `python tests/test_opinfo.py` prints which entries are out of date.
 """
 
-import torch
-
 # -- ops not swept --------------------------------------------------------------------------------------------------
 # Their values are random or uninitialised, so no two runs agree, or their tensors are sparse. (spmd's own random
 # ops are layout-invariant but draw other numbers than torch's generator: tests/test_ops_sweep.py checks them.)
@@ -29,9 +27,6 @@ UNSUPPORTED = {
     # no rule, and torch has no meta kernel to check the call on
     "histogram": _FORWARD, "histogramdd": _FORWARD, "linalg.lstsq": _FORWARD,
     "linalg.lstsq.grad_oriented": _FORWARD,
-    # F.linear_cross_entropy and its OpInfos are new after torch 2.11
-    **({"nn.functional.linear_cross_entropy.chunked_none": _BACKWARD}
-       if hasattr(torch.nn.functional, "linear_cross_entropy") else {}),
 }
 
 # -- known bugs: a wrong answer or another exception (strict xfails) ----------------------------------------------

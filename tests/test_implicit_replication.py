@@ -9,6 +9,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import spmd
 from spmd import UNSHARDED, Layout
+from spmd.engine import plain_operands
 from sweep import Const, check_op, components, rand
 from test_engine import issued
 
@@ -100,11 +101,12 @@ def test_a_users_plain_tensor_still_raises_and_the_scope_ends(mesh22):
         x + torch.arange(4.0)
 
 
-def test_an_op_writing_dtensors_into_a_plain_tensor_writes_their_global_values(mesh22):
+def test_an_op_writing_dtensors_into_a_plain_tensor_writes_their_global_values(mesh22, monkeypatch):
     """A plain tensor holds a global value in the scope (a cache a model allocated for itself): a write of DTensors
     into it writes their global values, gathered and warned about once. Outside the scope it is refused and nothing
     is written. Written with DTensors that require grad, the plain tensor requires grad too: where it meets
     DTensors again it is refused (its gradient could not reach them)."""
+    monkeypatch.setattr(plain_operands, "_WARNED", set())  # (each op warns once per process)
     x = spmd.copy_to_mesh(torch.arange(4.0), Layout(["x"], mesh22))
     plain = torch.zeros(4)
     with pytest.raises(spmd.MixedTensorError, match=r"shape \[4\]"):
@@ -121,6 +123,18 @@ def test_an_op_writing_dtensors_into_a_plain_tensor_writes_their_global_values(m
         assert plain.requires_grad and plain.tolist() == [0, 0, 2, 9]
         with pytest.raises(spmd.MixedTensorError, match=r"buffer written with DTensors that require grad"):
             plain * x
+
+
+def test_a_plain_scalar_written_with_a_dtensor_takes_its_value(mesh22):
+    """A plain 0-d tensor is a scalar operand elsewhere; as the target of an in-place op (a chunked loss's running
+    total in its backward) it takes the DTensor's value where plain tensors hold global values."""
+    total, x = torch.zeros(()), spmd.copy_to_mesh(torch.arange(4.0), Layout(["x"], mesh22))
+    with pytest.raises(spmd.MixedTensorError, match=r"plain 0-d tensor"):
+        total.add_(x.sum())
+    with spmd.implicit_replication():
+        total.add_(x.sum())
+        total.add_(x.sum())
+    assert total.item() == 12.0 and type(total) is torch.Tensor
 
 
 def test_scatter_in_place_keeps_the_targets_layout(mesh22):

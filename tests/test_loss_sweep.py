@@ -86,3 +86,27 @@ def test_ctc_loss_of_concatenated_targets_keeps_the_batch_sharded():
     want.sum().backward()
     torch.testing.assert_close(spmd.to_global(loss), want)
     torch.testing.assert_close(spmd.to_global(lp.grad), plain.grad)
+
+
+@pytest.mark.skipif(not hasattr(F, "linear_cross_entropy"), reason="F.linear_cross_entropy is new in torch 2.13")
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_chunked_linear_cross_entropy_matches_torch(reduction):
+    """torch's chunked linear + cross-entropy (the logits never whole) keeps plain scratch buffers and a plain running
+    total in its backward, written with DTensor values (out= products, in-place adds): the batch sharded and the
+    vocabulary sharded, values and gradients as torch's."""
+    from torch.nn.modules.linear_cross_entropy_options import LinearCrossEntropyOptions
+    torch.manual_seed(0)
+    x, w, target = torch.randn(8, 16), torch.randn(32, 16), torch.randint(0, 32, (8,))
+    mesh = spmd.create_mesh([("batch", 2), ("model", 2)])
+    dx = spmd.copy_to_mesh(x, Layout(["batch", U], mesh)).requires_grad_()
+    dw = spmd.copy_to_mesh(w, Layout(["model", U], mesh)).requires_grad_()
+    options = LinearCrossEntropyOptions()
+    got = F.linear_cross_entropy(dx, dw, spmd.copy_to_mesh(target, Layout(["batch"], mesh)), reduction=reduction,
+                                 options=options)
+    got.sum().backward()
+    px, pw = x.clone().requires_grad_(), w.clone().requires_grad_()
+    want = F.linear_cross_entropy(px, pw, target, reduction=reduction, options=options)
+    want.sum().backward()
+    torch.testing.assert_close(spmd.to_global(got), want.detach())
+    torch.testing.assert_close(spmd.to_global(dx.grad), px.grad)
+    torch.testing.assert_close(spmd.to_global(dw.grad), pw.grad)

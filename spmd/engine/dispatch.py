@@ -147,6 +147,9 @@ def torch_dispatch(cls, func, types, args=(), kwargs=None):
     key = tuple(key)
     plan = _CACHE.get(key)
     if plan is None:
+        if writes_plain(func, args):  # into a plain 0-d tensor (a scalar operand elsewhere): never a cached plan
+            return write_into_plain(func, args, kwargs or {}, MixedTensorError(
+                "DTensor values cannot be written into a plain 0-d tensor; make it a DTensor"), _replicates_plain())
         plan = _miss(key, func, args, kwargs or {}, tensors)
     try:
         if explain.RECORDERS:
@@ -210,11 +213,12 @@ def _writes_out(func) -> bool:
 
 
 def _into_out(func, args, kwargs):
-    """`op(..., out=t)` as torch's functional form of the op, copied into `t` (a DTensor keeps its layout)."""
+    """`op(..., out=t)` as torch's functional form of the op, copied into `t` (a DTensor keeps its layout; a plain
+    scratch buffer where plain tensors hold global values, as in a chunked loss's backward, takes the global value)."""
     kwargs = dict(kwargs)
     out = kwargs.pop("out")
     result = func.overloadpacket(*args, **kwargs)
-    if not isinstance(out, DTensor) or out.shape != result.shape:
+    if out.shape != result.shape or not (isinstance(out, DTensor) or _replicates_plain()):
         raise UnsupportedOpError(f"{func} into out= of shape {list(out.shape)} ({type(out).__name__}) for a result "
                                  f"of shape {list(result.shape)}: use the functional form")
     return out.copy_(result)

@@ -4,7 +4,9 @@ TF DTensor's rule: plain integer tensors of fewer than `SMALL_INTEGER_TENSOR` el
 `x[[0, 2]]`) are broadcast to DTensors as replicated; any other plain tensor of rank > 0 is an error, unless the op
 runs under `spmd.implicit_replication()` (as a distributed module's forward does), where a plain tensor holds a
 global value. There an op writing DTensor values into a plain tensor — a cache a model allocated for itself and
-updates in place (Mamba's convolution and state caches, a static KV cache) — writes their global values into it.
+updates in place (Mamba's convolution and state caches, a static KV cache), the scratch buffers and running total
+of torch's chunked linear cross-entropy in its backward — writes their global values into it. (A plain 0-d tensor
+is a scalar operand elsewhere, and such a target too.)
 """
 
 from __future__ import annotations
