@@ -210,7 +210,7 @@ def test_mixture_of_experts_trains_unchanged(mesh, implementation, experts):
     assert [c.kind for c in over_model] == (["all_reduce"] * 4 if experts else [])  # 2 layers x (up, down)
 
 
-def _mamba(attn):
+def _mamba(attn):  # (a builder's signature: Mamba has no attention)
     config = transformers.MambaConfig(hidden_size=32, num_hidden_layers=2, vocab_size=64, state_size=4, expand=2,
                                       conv_kernel=4, use_mambapy=False)
     return transformers.MambaForCausalLM(config), {}
