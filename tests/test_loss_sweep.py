@@ -48,41 +48,26 @@ def test_ctc_loss_for_every_layout(reduction, lengths, concatenated):
     assert check_op(fn, inputs, sample=24) >= 7  # (7 concatenated targets: only unsharded)
 
 
-def test_ctc_loss_over_a_sharded_batch_issues_no_collective():
-    """Log-probabilities and padded targets sharded over the batch, the lengths whole (the widest target sets
-    `log_alpha`'s width): each device's samples, forward and backward, with no collective."""
+@pytest.mark.parametrize("concatenated", [False, True], ids=["padded", "concatenated"])
+def test_ctc_loss_over_a_sharded_batch_issues_no_collective(concatenated):
+    """Log-probabilities sharded over the batch, padded targets with them, the lengths whole (the widest target sets
+    `log_alpha`'s width); concatenated (1-D) targets whole, each device taking its own samples' run of them by the
+    target lengths: each device's samples, forward and backward, with no collective."""
     log_probs, targets, input_lengths, target_lengths = _ctc_inputs()
+    if concatenated:
+        targets = _concatenated(targets, target_lengths)
     mesh = spmd.create_mesh([("batch", 2)])
     rows = lambda t, rank: spmd.copy_to_mesh(t, Layout(["batch"] + [U] * (rank - 1), mesh))  # noqa: E731
     lp = spmd.copy_to_mesh(log_probs, Layout([U, "batch", U], mesh)).requires_grad_()
+    dist_targets = spmd.copy_to_mesh(targets, Layout([U], mesh)) if concatenated else rows(targets, 2)
     whole = [spmd.copy_to_mesh(t, Layout([U], mesh)) for t in (input_lengths, target_lengths)]
-    loss, forward = issued(lambda: F.ctc_loss(lp, rows(targets, 2), *whole, reduction="none"))
+    loss, forward = issued(lambda: F.ctc_loss(lp, dist_targets, *whole, reduction="none"))
     _, backward = issued(lambda: loss.backward(rows(torch.ones(4, dtype=torch.float64), 1)))
     assert forward == [] and backward == []
     assert spmd.fetch_layout(loss).sharding_specs == ["batch"]
     assert spmd.fetch_layout(lp.grad).sharding_specs == [U, "batch", U]
     plain = log_probs.clone().requires_grad_()
     want = F.ctc_loss(plain, targets, input_lengths, target_lengths, reduction="none")
-    want.sum().backward()
-    torch.testing.assert_close(spmd.to_global(loss), want)
-    torch.testing.assert_close(spmd.to_global(lp.grad), plain.grad)
-
-
-def test_ctc_loss_of_concatenated_targets_keeps_the_batch_sharded():
-    """1-D targets, whole on each device: each device takes its own samples' run of them (by the target lengths)
-    and aligns its own samples, forward and backward, with no collective."""
-    log_probs, targets, input_lengths, target_lengths = _ctc_inputs()
-    flat = _concatenated(targets, target_lengths)
-    mesh = spmd.create_mesh([("batch", 2)])
-    lp = spmd.copy_to_mesh(log_probs, Layout([U, "batch", U], mesh)).requires_grad_()
-    whole = [spmd.copy_to_mesh(t, Layout([U], mesh)) for t in (flat, input_lengths, target_lengths)]
-    loss, forward = issued(lambda: F.ctc_loss(lp, *whole, reduction="none"))
-    _, backward = issued(lambda: loss.backward(spmd.copy_to_mesh(torch.ones(4, dtype=torch.float64),
-                                                                 Layout(["batch"], mesh))))
-    assert forward == [] and backward == []
-    assert spmd.fetch_layout(lp.grad).sharding_specs == [U, "batch", U]
-    plain = log_probs.clone().requires_grad_()
-    want = F.ctc_loss(plain, flat, input_lengths, target_lengths, reduction="none")
     want.sum().backward()
     torch.testing.assert_close(spmd.to_global(loss), want)
     torch.testing.assert_close(spmd.to_global(lp.grad), plain.grad)

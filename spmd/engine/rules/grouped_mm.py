@@ -98,14 +98,14 @@ def _own_experts(starts: list[int], block: int):
     no value leaves the device, and a trace records the same ops), multiplied, the others zeroed, rotated back."""
     def kernel(locals_, args, kwargs):
         x, w, offs = locals_
-        count = x.shape[1]
+        count, options = x.shape[1], _options(args, kwargs)
         rows = torch.arange(count, device=x.device)
         firsts = torch.nn.functional.pad(offs[0], (1, 0))  # expert e's first row; (the offsets are whole)
         outs = []
         for device, first in enumerate(starts):
             start, stop = firsts[first], firsts[first + block]
             mine = x[device].index_select(0, (rows + start) % count)
-            product = _product(mine, w[device], offs[device, first:first + block] - start, _options(args, kwargs))
+            product = _product(mine, w[device], offs[device, first:first + block] - start, options)
             product = torch.where((rows < stop - start).unsqueeze(1), product, 0)  # (rows past them: not written)
             outs.append(product.index_select(0, (rows - start) % count))
         return torch.stack(outs)
