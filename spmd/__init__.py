@@ -22,6 +22,7 @@ from spmd.runtime import (barrier, client_id, create_distributed_mesh, initializ
 from spmd.controller import Controller
 from spmd.function_mode import Function, function
 from spmd.interop import from_jax_array, from_torch_dtensor, to_jax_array, to_torch_dtensor
+from spmd.local_functions import axis_index, local_map
 from spmd.buckets import no_sync
 from spmd.nn import LayoutMap, Strategy, distribute_module
 from spmd.scope import default_mesh, get_default_mesh, implicit_replication
@@ -44,4 +45,5 @@ __all__ = [
     "job_name", "local_devices", "num_local_devices", "num_global_devices", "create_distributed_mesh", "barrier",
     "CheckpointError", "CollectiveError", "function", "Function", "Explanation", "CollectiveRecord", "TraceError",
     "Controller", "interop", "to_torch_dtensor", "from_torch_dtensor", "to_jax_array", "from_jax_array",
+    "local_map", "axis_index",
 ]

@@ -23,7 +23,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from spmd import sharded_batch
+from spmd import local_functions, sharded_batch
 from spmd.api import copy_to_mesh, relayout
 from spmd.buckets import DEFAULT_BUCKET_CAP_MB, bucket_gradients
 from spmd.creation import empty, zeros
@@ -360,6 +360,8 @@ class _MeshForward:
         return self.inner if self.inner is not None else types.MethodType(type(self.module).forward, self.module)
 
     def __call__(self, *args, **kwargs):
+        if local_functions.running():  # one device's call inside spmd.local_map: its components, plain torch
+            return self._call(args, kwargs)
         if torch.compiler.is_compiling():
             with implicit_replication():
                 return self._forward(args, kwargs)

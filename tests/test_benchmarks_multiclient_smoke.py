@@ -1,12 +1,13 @@
-"""Keeps benchmarks/bench_multiclient.py and bench_fsdp.py from rotting: their main() runs end to end with `--quick`
-(2 real client processes, gloo, a hard timeout). No timing is asserted; only that every case runs, the values of
-every relayout agree across spmd, raw torch.distributed and torch DT, spmd's training losses equal DDP's, and
-sharded parameters hold half the state of replicated ones with the same losses."""
+"""Keeps benchmarks/bench_multiclient.py, bench_fsdp.py and bench_moe.py from rotting: their main() runs end to end
+with `--quick` (2 real client processes, gloo, a hard timeout). No timing is asserted; only that every case runs, the
+values of every relayout agree across spmd, raw torch.distributed and torch DT, spmd's training losses equal DDP's,
+sharded parameters hold half the state of replicated ones with the same losses, and experts under `local_map`
+gather no tokens."""
 
 import pytest
 import torch
 
-from benchmarks import bench_fsdp, bench_multiclient
+from benchmarks import bench_fsdp, bench_moe, bench_multiclient
 
 
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
@@ -34,3 +35,15 @@ def test_bench_fsdp_quick(tmp_path):
     assert results["spmd_fsdp"]["first_loss"] == pytest.approx(results["spmd_dp"]["first_loss"], rel=1e-6)
     assert results["spmd_fsdp"]["state_mb"] == pytest.approx(results["spmd_dp"]["state_mb"] / 2, rel=0.05)
     assert results["spmd_fsdp"]["state_mb"] == pytest.approx(results["fsdp2"]["state_mb"], rel=0.05)
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
+def test_bench_moe_quick(tmp_path):
+    pytest.importorskip("transformers")
+    data = bench_moe.main(["--quick", "--timeout", "90", "--out", str(tmp_path)])
+    assert set(data["results"]) == set(bench_moe.VARIANTS)
+    assert all("error" not in r for r in data["results"].values()), data["results"]
+    for name in ("spmd", "spmd_local"):
+        assert data["max_loss_diff_vs_ddp"][name] == pytest.approx(0.0, abs=1e-5)
+    assert data["collectives"]["spmd"].get("all_gather", 0) > 0  # the global routing gathers the tokens
+    assert "all_gather" not in data["collectives"]["spmd_local"]

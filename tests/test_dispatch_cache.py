@@ -7,6 +7,7 @@ import torch
 
 import spmd
 from spmd import UNSHARDED, Layout
+from tests.sweep import issued
 
 MESH = spmd.create_mesh([("x", 2)])
 
@@ -43,3 +44,21 @@ def test_ops_that_fell_back_are_listed(mesh22):
         torch.testing.assert_close(spmd.to_global(torch.block_diag(t, t)), torch.block_diag(*[spmd.to_global(t)] * 2))
     assert "aten.block_diag.default" in spmd.cache_stats()["fallbacks"]
     assert "aten.mm.default" not in spmd.cache_stats()["fallbacks"]
+
+
+@pytest.mark.filterwarnings("ignore:spmd. no sharding rule")
+def test_an_op_without_a_meta_kernel_falls_back_with_its_shapes_read_off_each_call():
+    """torch has no meta kernel for `histogram` or `lstsq`: the fallback learns their results' ranks from one run on
+    sample inputs and reads the shapes off each call (a histogram's length is its argument, not its input's)."""
+    x = torch.randn(8, 4, dtype=torch.float64)
+    d = spmd.copy_to_mesh(x, Layout(["x", UNSHARDED], MESH))
+    for bins in (5, 7):  # the same input with another bin count: the result's shape follows it
+        (hist, edges), collectives = issued(lambda: torch.histogram(d, bins=bins))
+        assert collectives == [("all_gather", ("x",))]
+        want = torch.histogram(x, bins=bins)
+        torch.testing.assert_close(spmd.to_global(hist), want.hist)
+        torch.testing.assert_close(spmd.to_global(edges), want.bin_edges)
+    b = torch.randn(8, 2, dtype=torch.float64)
+    got = torch.linalg.lstsq(d, spmd.copy_to_mesh(b, Layout(["x", UNSHARDED], MESH)))
+    torch.testing.assert_close(spmd.to_global(got.solution), torch.linalg.lstsq(x, b).solution)
+    assert {"aten.histogram.bin_ct", "aten.linalg_lstsq.default"} <= set(spmd.cache_stats()["fallbacks"])

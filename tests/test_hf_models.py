@@ -194,6 +194,31 @@ def test_mixture_of_experts_trains_unchanged(mesh, implementation, experts):
     ref = _mixtral(implementation)
     layouts = {r"experts\.(gate_up_proj|down_proj)$": [experts, U, U]} if experts else {}
     model = spmd.distribute_module(copy.deepcopy(ref), mesh, LayoutMap(layouts))
+    forward = _step_like_torch(model, ref, mesh)
+    for name, p in model.named_parameters():
+        if "experts" in name:
+            assert spmd.fetch_layout(p.grad).sharding_specs == [experts or U, U, U], name
+    over_model = [c for c in forward.collectives if "model" in c.mesh_dims]
+    assert [c.kind for c in over_model] == (["all_reduce"] * 4 if experts else [])  # 2 layers x (up, down)
+
+
+@pytest.mark.parametrize("implementation", ["grouped_mm", "eager"])
+def test_mixture_of_experts_routes_each_devices_tokens_under_local_map(mesh, implementation):
+    """transformers routes the whole batch's tokens at once, so spmd gathers them over "batch" in every MoE layer
+    (above); with each layer's experts under `spmd.local_map` each device routes its own tokens: the forward's
+    only collective is the loss's, and losses and gradients are still plain torch's."""
+    torch.manual_seed(0)
+    ref = _mixtral(implementation)
+    model = spmd.distribute_module(copy.deepcopy(ref), mesh)
+    for layer in model.model.layers:
+        layer.mlp.experts.forward = spmd.local_map(layer.mlp.experts, out_layouts=Layout(["batch", U], mesh))
+    forward = _step_like_torch(model, ref, mesh)
+    assert [(c.kind, c.mesh_dims) for c in forward.collectives] == [("all_reduce", ("batch",))]  # the mean's sums
+
+
+def _step_like_torch(model, ref, mesh) -> Recorder:
+    """A language-model training step of `model` on a batch-sharded batch, its loss and gradients checked against
+    plain torch's `ref`; the forward's collectives."""
     ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(1))
     rows = spmd.copy_to_mesh(ids, Layout(["batch", U], mesh))
     with Recorder() as forward:
@@ -204,10 +229,7 @@ def test_mixture_of_experts_trains_unchanged(mesh, implementation, experts):
     torch.testing.assert_close(loss.item(), want.item(), rtol=1e-5, atol=0)
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         _close(spmd.to_global(p.grad), q.grad, name)
-        if "experts" in name:
-            assert spmd.fetch_layout(p.grad).sharding_specs == [experts or U, U, U], name
-    over_model = [c for c in forward.collectives if "model" in c.mesh_dims]
-    assert [c.kind for c in over_model] == (["all_reduce"] * 4 if experts else [])  # 2 layers x (up, down)
+    return forward
 
 
 def _mamba(attn):  # (a builder's signature: Mamba has no attention)

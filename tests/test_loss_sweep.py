@@ -73,25 +73,42 @@ def test_ctc_loss_over_a_sharded_batch_issues_no_collective(concatenated):
     torch.testing.assert_close(spmd.to_global(lp.grad), plain.grad)
 
 
+_CHUNKED_LOSS_COLLECTIVES = {  # on the classifier replicated and the rows sharded over "batch"
+    "mean": [("all_reduce", ("batch",))] * 3,  # the rows' total weight; the weight's and bias's gradients (torch
+    "sum": [("all_reduce", ("batch",))] * 2,  # stashes them, computed with the loss), each device's partial sums
+    "none": [],
+}
+
+
 @pytest.mark.skipif(not hasattr(F, "linear_cross_entropy"), reason="F.linear_cross_entropy is new in torch 2.13")
-@pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_chunked_linear_cross_entropy_matches_torch(reduction):
-    """torch's chunked linear + cross-entropy (the logits never whole) keeps plain scratch buffers and a plain running
-    total in its backward, written with DTensor values (out= products, in-place adds): the batch sharded and the
-    vocabulary sharded, values and gradients as torch's."""
+@pytest.mark.parametrize("classifier", [[U, U], ["model", U]], ids=["replicated", "vocab-sharded"])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_chunked_linear_cross_entropy_matches_torch(reduction, classifier):
+    """torch's chunked linear + cross-entropy (the logits never whole): each device runs it on its rows, with the
+    classifier whole (gathered where it is sharded) — the loss a pending sum over the rows' mesh dim, a mean's
+    total weight one all-reduce of a scalar. Values and gradients as torch's, an ignored target among them. (The
+    'none' backward, torch's Python loop over plain scratch buffers, still gathers the rows it writes.)"""
     from torch.nn.modules.linear_cross_entropy_options import LinearCrossEntropyOptions
     torch.manual_seed(0)
-    x, w, target = torch.randn(8, 16), torch.randn(32, 16), torch.randint(0, 32, (8,))
+    x, w, b, target = torch.randn(8, 16), torch.randn(32, 16), torch.randn(32), torch.randint(0, 32, (8,))
+    target[3] = -100
     mesh = spmd.create_mesh([("batch", 2), ("model", 2)])
     dx = spmd.copy_to_mesh(x, Layout(["batch", U], mesh)).requires_grad_()
-    dw = spmd.copy_to_mesh(w, Layout(["model", U], mesh)).requires_grad_()
+    dw = spmd.copy_to_mesh(w, Layout(classifier, mesh)).requires_grad_()
+    db = spmd.copy_to_mesh(b, Layout([U], mesh)).requires_grad_()
+    dt = spmd.copy_to_mesh(target, Layout(["batch"], mesh))
     options = LinearCrossEntropyOptions()
-    got = F.linear_cross_entropy(dx, dw, spmd.copy_to_mesh(target, Layout(["batch"], mesh)), reduction=reduction,
-                                 options=options)
+    got, collectives = issued(lambda: F.linear_cross_entropy(dx, dw, dt, linear_bias=db, reduction=reduction,
+                                                             options=options))
+    gathered = [("all_gather", ("model",))] if classifier[0] == "model" else []
+    assert collectives == gathered + _CHUNKED_LOSS_COLLECTIVES[reduction]
+    assert spmd.fetch_layout(got).sharding_specs == (["batch"] if reduction == "none" else [])
+    if reduction != "none":
+        assert got._pending == ("batch",)
     got.sum().backward()
-    px, pw = x.clone().requires_grad_(), w.clone().requires_grad_()
-    want = F.linear_cross_entropy(px, pw, target, reduction=reduction, options=options)
+    px, pw, pb = x.clone().requires_grad_(), w.clone().requires_grad_(), b.clone().requires_grad_()
+    want = F.linear_cross_entropy(px, pw, target, linear_bias=pb, reduction=reduction, options=options)
     want.sum().backward()
     torch.testing.assert_close(spmd.to_global(got), want.detach())
-    torch.testing.assert_close(spmd.to_global(dx.grad), px.grad)
-    torch.testing.assert_close(spmd.to_global(dw.grad), pw.grad)
+    for d, p in ((dx, px), (dw, pw), (db, pb)):
+        torch.testing.assert_close(spmd.to_global(d.grad), p.grad)

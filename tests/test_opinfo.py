@@ -43,7 +43,7 @@ import torch.utils._pytree as pytree
 
 import spmd
 from spmd import UNSHARDED, Layout
-from spmd.engine import dispatch
+from spmd.engine import fallback
 from spmd.errors import MixedTensorError, UnsupportedOpError
 
 import opinfo_expected as expected
@@ -426,13 +426,13 @@ def report(names: list[str], mesh) -> str:
 @contextlib.contextmanager
 def _fallbacks():
     """The aten ops that ran through spmd's replicated fallback inside the block."""
-    saved, seen = set(dispatch._FELL_BACK), set()
-    dispatch._FELL_BACK.clear()
+    saved, seen = set(fallback.FELL_BACK), set()
+    fallback.FELL_BACK.clear()
     try:
         yield seen
     finally:
-        seen.update(dispatch._FELL_BACK)
-        dispatch._FELL_BACK.update(saved)
+        seen.update(fallback.FELL_BACK)
+        fallback.FELL_BACK.update(saved)
 
 
 def docs_page(mesh) -> str:

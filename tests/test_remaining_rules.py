@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import spmd
 from spmd import UNSHARDED as U
 from spmd import Layout
-from spmd.engine import dispatch
+from spmd.engine import fallback
 from tests.sweep import MESH, all_layouts, issued, Const, check_op, rand
 
 aten = torch.ops.aten
@@ -113,14 +113,14 @@ def test_ranges_with_tensor_endpoints_are_replicated(fn):
 
 # -- collectives -----------------------------------------------------------------------------------------------------
 def _no_fallback(fn):
-    saved = set(dispatch._FELL_BACK)
-    dispatch._FELL_BACK.clear()
+    saved = set(fallback.FELL_BACK)
+    fallback.FELL_BACK.clear()
     try:
         out = fn()
-        assert not dispatch._FELL_BACK, dispatch._FELL_BACK
+        assert not fallback.FELL_BACK, fallback.FELL_BACK
         return out
     finally:
-        dispatch._FELL_BACK.update(saved)
+        fallback.FELL_BACK.update(saved)
 
 
 def _sharded(x, *specs, grad=False):

@@ -120,6 +120,11 @@ def is_inplace(func) -> bool:
     return bool(args) and args[0].alias_info is not None and args[0].alias_info.is_write
 
 
+def returns_alias(func) -> bool:
+    """Whether `func` returns a view of (or writes and returns) one of its inputs."""
+    return any(r.alias_info is not None for r in func._schema.returns)
+
+
 def unsupported(call: OpCall, why: str = "", *, any_layout: bool = False) -> UnsupportedOpError:
     """The error for an op spmd cannot run in the inputs' layouts (`any_layout`: in none of them)."""
     remedy = ("No layout of its inputs is supported: run it on plain tensors (spmd.to_global, then "

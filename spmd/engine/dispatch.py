@@ -25,9 +25,9 @@ from spmd.collectives.local import one_copy, share, shared
 from spmd.dtensor import DTensor
 from spmd.engine import foreach, multi_axis, planner, registry
 from spmd.engine import rules  # noqa: F401  (registers every rule)
-from spmd.engine.decision import Decision, OpCall, TensorSpec, unsupported
+from spmd.engine.decision import Decision, OpCall, TensorSpec, returns_alias
+from spmd.engine.fallback import FELL_BACK, fallback_decision
 from spmd.engine.plain_operands import mixed_tensor_error, small_integers, write_into_plain, writes_plain
-from spmd.engine.rules.common import generic_kernel, replace_tensors
 from spmd.engine.rules.indexing import identity_first_index_as_slice
 from spmd.engine.validate import check_like_torch, name_the_user_dim
 from spmd.errors import MeshMismatchError, MixedTensorError, UnsupportedOpError
@@ -71,7 +71,7 @@ class _Plan:
 def cache_stats() -> dict:
     """Misses of the sharding-decision cache, its size, and `fallbacks`: the ops that ran on replicated inputs
     for want of a sharding rule (each gathers its sharded inputs on every device)."""
-    return dict(_STATS, size=len(_CACHE), fallbacks=sorted(str(f) for f in _FELL_BACK))
+    return dict(_STATS, size=len(_CACHE), fallbacks=sorted(str(f) for f in FELL_BACK))
 
 
 def _sig(a, tensors, blind=False):
@@ -499,12 +499,12 @@ def _make_plan(func, args, kwargs, tensors) -> _Plan:
     call = OpCall(func, tuple(_spec(a, native, summable) for a in args),
                   {k: _spec(v, native, summable) for k, v in kwargs.items()}, mesh, mesh.num_local_devices(),
                   multi_axis=multi and not native)
-    decide = _fallback_decision if entry is None else entry.rule
+    decide = fallback_decision if entry is None else entry.rule
     decision = decide(call)
     if multi:  # rules saw each multi-axis input sharded over its outer dim
         decision = multi_axis.adapt(decision, entry, tensors, native)
     plan = _plan_from_decision(decision, call, tensors, args, kwargs)
-    if decision.value_shaped and plan.in_steps:
+    if decision.value_shaped and plan.in_steps and entry is not None:  # (the fallback warns on its own)
         warn_gathered(func)
     if _replicated(func, plan, tensors):
         # rules are pure: the same op on a stack of one device's components decides the kernel for that stack
@@ -529,7 +529,7 @@ def _replicated(func, plan: _Plan, tensors) -> bool:
     runs no collective: then every device computes the same, once is enough. (Not a view: its result must alias
     each device's components, which need not be one copy.)"""
     decision = plan.decision
-    is_view = _returns_alias(func) and not decision.inplace
+    is_view = returns_alias(func) and not decision.inplace
     if (plan.mesh.num_local_devices() == 1 or is_view or decision.rebinds or decision.collectives
             or plan.out_pending or plan.out_steps or decision.epilogue is not None
             or torch.Tag.nondeterministic_seeded in func.tags):
@@ -574,15 +574,10 @@ def _plan_from_decision(decision: Decision, call: OpCall, tensors, args, kwargs)
             out_pending = reduced
     if settle or in_steps or out_steps:
         backend_for(mesh)  # a mesh this process cannot communicate over fails here, not where it is consumed
-    is_view = _returns_alias(call.func)
+    is_view = returns_alias(call.func)
     return _Plan(decision, _kernel(decision, mesh, args, kwargs), settle, in_steps, out_layouts, out_pending,
                  out_steps, mesh, copied_view=(bool(in_steps) or decision.copies) if is_view else None,
                  written=_written_inputs(call.func, args, kwargs, tensors) + decision.writes, reduce_op=reduce_op)
-
-
-def _returns_alias(func) -> bool:
-    """Whether `func` returns a view of (or writes and returns) one of its inputs."""
-    return any(r.alias_info is not None for r in func._schema.returns)
 
 
 def _written_inputs(func, args, kwargs, tensors) -> tuple[int, ...]:
@@ -614,7 +609,6 @@ def _kernel(decision: Decision, mesh, args, kwargs):
     return kernel if specialize is None else specialize(args, kwargs)
 
 
-_FELL_BACK: set = set()  # ops that ran through the replicated fallback (each warned about once)
 _GATHERED: set = set()  # value-shaped ops that gathered sharded operands (each warned about once)
 
 
@@ -626,40 +620,3 @@ def warn_gathered(func) -> None:
         warnings.warn(f"spmd: the shape of {func}'s result depends on the values, so its sharded operands are "
                       "gathered on every device (an all-gather each); a masked op (torch.where, masked_fill, a "
                       "loss's ignore_index) keeps them sharded", stacklevel=5)
-
-
-def _fallback_decision(call: OpCall) -> Decision:
-    """An op without a rule runs once on replicated inputs, if that is safe; else a named error."""
-    func = call.func
-    schema = func._schema
-    if schema.is_mutable or torch.Tag.nondeterministic_seeded in func.tags:
-        raise unsupported(call, "it mutates its inputs or draws random numbers, so it cannot run replicated",
-                          any_layout=True)
-    if not schema.returns or any(str(r.type) != "Tensor" for r in schema.returns):
-        raise unsupported(call, "its outputs are not plain tensors", any_layout=True)
-    metas = [torch.empty(s.shape, dtype=s.dtype, device="meta") for s in call.specs]
-    meta_args, meta_kwargs = replace_tensors(call.args, call.kwargs, metas)
-    try:
-        out = func(*meta_args, **meta_kwargs)
-    except Exception as e:  # no meta kernel: we cannot tell the output shape without running it
-        raise unsupported(call, f"it has no meta implementation ({type(e).__name__})", any_layout=True) from None
-    single = len(schema.returns) == 1
-    outs = (out,) if single else tuple(out)
-    if func not in _FELL_BACK:
-        _FELL_BACK.add(func)
-        warnings.warn(f"spmd: no sharding rule for {func}; running it on replicated inputs (this gathers "
-                      "sharded inputs on every device)", stacklevel=4)
-    local = generic_kernel(func)
-    n = call.num_local
-
-    def kernel(locals_, args, kwargs):  # run on component 0 and broadcast: the components are identical
-        res = local([x[0] for x in locals_], args, kwargs)
-        res = (res,) if single else tuple(res)
-        res = tuple(None if r is None else r.unsqueeze(0).expand((n,) + tuple(r.shape)).contiguous() for r in res)
-        return res[0] if single else res
-
-    # a view op computed this way returns a copy: an in-place op on it must be refused, not lost
-    is_view = _returns_alias(func)
-    return Decision(tuple(tuple([None] * len(s.shape)) for s in call.specs),
-                    tuple(None if o is None else (None,) * o.dim() for o in outs), kernel, single=single,
-                    copies=is_view)  # a backward op's unneeded gradients are None
