@@ -6,7 +6,8 @@ Variants, each a training step with AdamW on the same batches (each client its h
 - `spmd`: `distribute_module`, the batch sharded: spmd runs the model's global routing as written (the tokens of the
   whole batch sorted by expert), so each MoE layer gathers every client's tokens and each client runs the experts
   over all of them;
-- `spmd_local`: the same, with each layer's experts under `spmd.local_map`: each client routes its own tokens.
+- `spmd_local`: the same, with each layer's experts under `spmd.local_map`: each client routes its own tokens;
+- `spmd_local_fn`: that step under `spmd.function` (inductor; the optimizer's update a graph of its own).
 
 Reported: ms per step, its ratio to DDP's, the all-gathers of one spmd step (the gradients' all-reduces are
 bucketed as DDP's in every variant), the largest difference of the first steps' losses to DDP's.
@@ -38,7 +39,8 @@ MODEL = dict(hidden_size=128, intermediate_size=512, num_hidden_layers=2, num_at
 QUICK_MODEL = dict(MODEL, hidden_size=32, intermediate_size=64, num_local_experts=4, vocab_size=64)
 BATCH, QUICK_BATCH = (8, 64), (4, 8)  # (sequences, tokens each) of the global batch
 VARIANTS = {"ddp": "DistributedDataParallel", "spmd": "spmd, the model's global routing",
-            "spmd_local": "spmd, experts under `local_map` (each client routes its own tokens)"}
+            "spmd_local": "spmd, experts under `local_map` (each client routes its own tokens)",
+            "spmd_local_fn": "the same under `spmd.function` (inductor)"}
 
 
 # -- the worker (one per client) -------------------------------------------------------------------------------------
@@ -61,9 +63,9 @@ def _variants(args, rank: int):
     half = ids.chunk(2)[rank]
     sharded = spmd.copy_to_mesh(ids, Layout(["batch", U], mesh))
     variants = {"ddp": (DDP(copy.deepcopy(base)), half)}
-    for name in ("spmd", "spmd_local"):
+    for name in ("spmd", "spmd_local", "spmd_local_fn"):
         model = spmd.distribute_module(copy.deepcopy(base), mesh)
-        if name == "spmd_local":
+        if name != "spmd":
             for layer in model.model.layers:
                 layer.mlp.experts.forward = spmd.local_map(layer.mlp.experts, out_layouts=Layout(["batch", U], mesh))
         variants[name] = (model, sharded)
@@ -73,11 +75,17 @@ def _variants(args, rank: int):
         model, batch = variants[name]
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
-        def step():
+        def body(batch):
             opt.zero_grad()
             loss = model(input_ids=batch, labels=batch).loss
             loss.backward()
             opt.step()
+            return loss
+        if name.endswith("_fn"):  # a forward+backward graph and an optimizer graph, as bench_multiclient's
+            body = spmd.function(body, backend="aot_eager" if args.quick else "inductor", fullgraph=False)
+
+        def step():
+            loss = body(batch)
             if isinstance(loss, spmd.DTensor):
                 losses[name].append(float(loss.item()))
             else:  # DDP: each client's loss is the mean over its half of the batch
@@ -102,7 +110,7 @@ def worker(args) -> None:
             step()
     first = {name: list(values) for name, values in losses.items()}
     collectives = {}
-    for name in ("spmd", "spmd_local"):
+    for name in ("spmd", "spmd_local"):  # (a graph's collectives are recorded when it is traced, not run)
         with Recorder() as r:
             steps[name]()
         counts: dict[str, int] = {}

@@ -66,8 +66,8 @@ def local_map(fn: Callable | None = None, out_layouts: Any = None, *, in_layouts
         like `fn`'s results. Every device's results must have the same shapes.
       in_layouts: optionally, per positional argument, the Layout it is relayouted to first (None: as it is).
 
-    Usable as a decorator: `@local_map(out_layouts=...)`. `spmd.function(whole_step=True)` traces it into its graph;
-    the default `spmd.function` runs it eagerly between its graphs (`fullgraph=False`).
+    Usable as a decorator: `@local_map(out_layouts=...)`. `spmd.function` and `torch.compile` trace it into their
+    graphs (each device's plain ops on its components) where its arguments are all tensors, positional.
 
     >>> mesh = create_mesh([("batch", 2)])
     >>> rows = Layout(["batch", UNSHARDED], mesh)
@@ -85,16 +85,26 @@ def local_map(fn: Callable | None = None, out_layouts: Any = None, *, in_layouts
     module = fn if isinstance(fn, nn.Module) else None
     call = fn.forward if module is not None else fn  # (before a `module.forward = local_map(module, ...)`)
 
+    def traceable(*flat):  # the positional arguments, then the module's state: a trace passes them all in
+        state = _module_state(module)
+        args, tensors = flat[:len(flat) - len(state)], flat[len(flat) - len(state):]
+        state = [(owner, kind, name, t) for (owner, kind, name, _), t in zip(state, tensors)]
+        return _run(call, out_layouts, in_layouts, args, {}, state)
+    torch.compiler.allow_in_graph(traceable)  # one node for Dynamo; AOTAutograd traces through it
+
     @functools.wraps(fn)
     def mapped(*args, **kwargs):
-        return _untraced_run(call, module, out_layouts, in_layouts, args, kwargs)
+        if kwargs or not all(isinstance(a, torch.Tensor) for a in args):  # (a graph node takes tensors only)
+            return _untraced_run(call, out_layouts, in_layouts, args, kwargs, _module_state(module))
+        return traceable(*args, *[t for *_, t in _module_state(module)])
     return mapped
 
 
-def _run(fn: Callable, module: nn.Module | None, out_layouts, in_layouts, args: tuple, kwargs: dict):
+def _run(fn: Callable, out_layouts, in_layouts, args: tuple, kwargs: dict, state: list):
+    """`fn` on each device's components of the DTensors in `args` and `kwargs`, with a module's `state` (see
+    `_module_state`) swapped for them."""
     args = _relayouted(args, in_layouts)
     leaves, spec = pytree.tree_flatten((args, kwargs))
-    state = _module_state(module)
     layouts, out_spec = pytree.tree_flatten(out_layouts)
     inputs = list({id(t): t for t in [x for x in leaves if isinstance(x, DTensor)] + [t for *_, t in state]}
                   .values())
@@ -133,19 +143,20 @@ def _module_state(module: nn.Module | None) -> list:
 @contextlib.contextmanager
 def _swapped(state: list, components: dict, d: int):
     """The module's DTensor parameters and buffers replaced by device `d`'s components, for one call."""
-    swapped = [(owner, kind, name, t) for owner, kind, name, t in state if isinstance(t, DTensor)]
-    for owner, kind, name, t in swapped:
-        getattr(owner, kind)[name] = components[id(t)][d]
+    swapped = [(getattr(owner, kind), name, t) for owner, kind, name, t in state if isinstance(t, DTensor)]
+    originals = [(held, name, held[name]) for held, name, _ in swapped]  # (what a trace passes in stands for them)
+    for held, name, t in swapped:
+        held[name] = components[id(t)][d]
     try:
         yield
     finally:
-        for owner, kind, name, t in swapped:
-            getattr(owner, kind)[name] = t
+        for held, name, original in originals:
+            held[name] = original
 
 
 _untraced_run = torch.compiler.disable(_run, reason=(
-    "spmd.local_map runs its function once per device, which Dynamo does not trace: under spmd.function pass "
-    "fullgraph=False to run it eagerly between the graphs, or trace the whole step (whole_step=True)"))
+    "a graph traces spmd.local_map's calls with tensors as the only arguments: pass the others through a closure "
+    "(or under spmd.function pass fullgraph=False to run this one eagerly between the graphs)"))
 
 
 def _relayouted(args: tuple, in_layouts) -> tuple:

@@ -43,7 +43,7 @@ def test_bench_moe_quick(tmp_path):
     data = bench_moe.main(["--quick", "--timeout", "90", "--out", str(tmp_path)])
     assert set(data["results"]) == set(bench_moe.VARIANTS)
     assert all("error" not in r for r in data["results"].values()), data["results"]
-    for name in ("spmd", "spmd_local"):
+    for name in ("spmd", "spmd_local", "spmd_local_fn"):
         assert data["max_loss_diff_vs_ddp"][name] == pytest.approx(0.0, abs=1e-5)
     assert data["collectives"]["spmd"].get("all_gather", 0) > 0  # the global routing gathers the tokens
     assert "all_gather" not in data["collectives"]["spmd_local"]

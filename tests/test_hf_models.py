@@ -216,6 +216,25 @@ def test_mixture_of_experts_routes_each_devices_tokens_under_local_map(mesh, imp
     assert [(c.kind, c.mesh_dims) for c in forward.collectives] == [("all_reduce", ("batch",))]  # the mean's sums
 
 
+def test_mixture_of_experts_under_local_map_traces_as_one_graph(mesh):
+    """The same under spmd.function: each device's routing and experts are traced into the step's graph."""
+    torch.manual_seed(0)
+    ref = _mixtral("grouped_mm")
+    model = spmd.distribute_module(copy.deepcopy(ref), mesh)
+    for layer in model.model.layers:
+        layer.mlp.experts.forward = spmd.local_map(layer.mlp.experts, out_layouts=Layout(["batch", U], mesh))
+    ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(1))
+    step = spmd.function(lambda x: model(input_ids=x, labels=x).loss, backend="aot_eager")
+    loss = step(spmd.copy_to_mesh(ids, Layout(["batch", U], mesh)))
+    loss.backward()
+    want = ref(input_ids=ids, labels=ids).loss
+    want.backward()
+    assert step.experimental_get_tracing_count() == 1
+    torch.testing.assert_close(loss.item(), want.item(), rtol=1e-5, atol=0)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        _close(spmd.to_global(p.grad), q.grad, name)
+
+
 def _step_like_torch(model, ref, mesh) -> Recorder:
     """A language-model training step of `model` on a batch-sharded batch, its loss and gradients checked against
     plain torch's `ref`; the forward's collectives."""

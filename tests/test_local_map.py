@@ -108,14 +108,30 @@ def test_bad_calls_name_what_is_wrong():
         local_map(lambda a: a)
 
 
-def test_spmd_function_runs_it_between_its_graphs():
-    dx = spmd.copy_to_mesh(torch.randn(8, 4, dtype=torch.float64), ROWS)
-    doubled = local_map(lambda a: a * 2, out_layouts=ROWS)
+def test_spmd_function_traces_it_into_its_graph():
+    """One trace; the mapped layer's plain ops are in the graph; losses and gradients as eager. A call with other
+    arguments than tensors runs between the graphs."""
+    torch.manual_seed(0)
+    x, w = torch.randn(8, 4, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+    dx, dw = spmd.copy_to_mesh(x, ROWS), _leaf(w, Layout([U, U], MESH))
+    layer = local_map(lambda a, b: torch.tanh(a @ b), out_layouts=ROWS)
+    step = spmd.function(lambda a, b: layer(a, b).pow(2).sum(), backend="aot_eager")
+    for _ in range(2):
+        dw.grad = None
+        loss = step(dx, dw)
+        loss.backward()
+    pw = w.clone().requires_grad_()
+    want = torch.tanh(x @ pw).pow(2).sum()
+    want.backward()
+    assert step.experimental_get_tracing_count() == 1
+    torch.testing.assert_close(loss.item(), want.item())
+    torch.testing.assert_close(spmd.to_global(dw.grad), pw.grad)
+    scaled = local_map(lambda a, k: a * k, out_layouts=ROWS)
     with pytest.raises(spmd.TraceError, match="fullgraph=False"):
-        spmd.function(lambda a: doubled(a).sum(), backend="eager")(dx)
+        spmd.function(lambda a: scaled(a, 2).sum(), backend="eager")(dx)
     with pytest.warns(UserWarning, match="graph breaks"):
-        total = spmd.function(lambda a: doubled(a).sum(), backend="eager", fullgraph=False)(dx)
-    torch.testing.assert_close(total.item(), 2 * spmd.to_global(dx).sum().item())
+        total = spmd.function(lambda a: scaled(a, 2).sum(), backend="eager", fullgraph=False)(dx)
+    torch.testing.assert_close(total.item(), 2 * x.sum().item())
 
 
 def test_a_result_that_is_not_a_tensor_takes_none_and_is_the_first_devices():
