@@ -24,6 +24,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
+from spmd import explain
 from spmd.api import relayout
 from spmd.dtensor import DTensor, make
 from spmd.errors import LayoutError, MeshMismatchError, MixedTensorError
@@ -113,6 +114,9 @@ def _run(fn: Callable, out_layouts, in_layouts, args: tuple, kwargs: dict, state
     _check_plain(fn, leaves + [t for *_, t in state])
     # the mesh dims that replicate every argument and every result: every copy computes the same there
     repeated = tuple(d for d in mesh.dim_names if all(d not in layout.sharded_mesh_dims for layout in laid_out))
+    recorder = explain.RECORDERS[-1] if explain.RECORDERS else None  # (one row of `explain`, its plain ops inside)
+    if recorder is not None:
+        recorder.op_started(f"local_map({_name(fn)})", [x for x in leaves if isinstance(x, DTensor)])
     components = {id(t): _Components.apply(t, repeated).unbind(0) for t in inputs}
     base = mesh.min_global_device_id()
     per_device = []
@@ -128,6 +132,8 @@ def _run(fn: Callable, out_layouts, in_layouts, args: tuple, kwargs: dict, state
         per_device.append(_results(fn, result, out_spec, len(layouts)))
     outs = [_assemble(fn, i, [r[i] for r in per_device], layout, repeated)
             for i, layout in enumerate(layouts)]
+    if recorder is not None:
+        recorder.op_finished(tuple(o for o in outs if isinstance(o, DTensor)))
     return pytree.tree_unflatten(outs, out_spec)
 
 
@@ -265,4 +271,8 @@ class _FromComponents(torch.autograd.Function):
 
 
 def _name(fn: Callable) -> str:
-    return getattr(fn, "__qualname__", type(fn).__name__)
+    """A function's name; a module's forward by its module's class."""
+    owner = getattr(fn, "__self__", None) or getattr(fn, "module", None)  # (a distributed module's forward: .module)
+    if isinstance(owner, nn.Module):
+        return type(owner).__name__
+    return getattr(fn, "__name__", type(fn).__name__)

@@ -124,6 +124,7 @@ def test_spmd_function_traces_it_into_its_graph():
     want = torch.tanh(x @ pw).pow(2).sum()
     want.backward()
     assert step.experimental_get_tracing_count() == 1
+    assert str(step.explain(dx, dw)).splitlines()[2] == "local_map(<lambda>) | [batch,-] [-,-] | [batch,-] | "
     torch.testing.assert_close(loss.item(), want.item())
     torch.testing.assert_close(spmd.to_global(dw.grad), pw.grad)
     scaled = local_map(lambda a, k: a * k, out_layouts=ROWS)
