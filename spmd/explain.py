@@ -6,6 +6,7 @@ ordinary eager runs: a report costs one truthiness check). `spmd.function(fn).ex
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -106,6 +107,15 @@ class Recorder:
             self.op_finished(tensor)
         finally:
             self._backward = None
+
+    @contextlib.contextmanager
+    def as_backward(self):
+        """Records what runs inside as backward work (a gradient's pending sum, reduced where it is read)."""
+        saved, self._backward = self._backward, True
+        try:
+            yield
+        finally:
+            self._backward = saved
 
     def _in_backward(self) -> bool:
         return torch._C._current_autograd_node() is not None if self._backward is None else self._backward

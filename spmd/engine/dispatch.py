@@ -92,6 +92,18 @@ def _sig(a, tensors, blind=False):
     return a
 
 
+def _detached(t: DTensor) -> DTensor | None:
+    """A detach without the dispatcher: the same components; a gradient on its way into `.grad` still pending
+    there, for spmd/buckets.py to reduce. None for another pending tensor: the general path resolves it once, into
+    the tensor both share."""
+    if not t._pending:
+        return DTensor(t._stack.detach(), t._layout, t.shape, strides=t.stride())
+    if torch._C._current_graph_task_id() != -1:
+        return DTensor(t._stack.detach(), t._layout, t.shape, pending=t._pending, pending_op=t._pending_op,
+                       strides=t.stride())
+    return None
+
+
 def dispatch(func, args=(), kwargs=None):
     """Runs an aten op on DTensors."""
     return torch_dispatch(DTensor, func, (), args, kwargs)
@@ -99,14 +111,13 @@ def dispatch(func, args=(), kwargs=None):
 
 def torch_dispatch(cls, func, types, args=(), kwargs=None):
     """`DTensor.__torch_dispatch__`: the whole hot path of a cache hit is this function and `_execute`."""
-    if func is _DETACH and not explain.RECORDERS:  # autograd detaches every gradient
-        t = args[0]
-        if not t._pending:
-            return DTensor(t._stack.detach(), t._layout, t.shape, strides=t.stride())
-        if torch._C._current_graph_task_id() != -1:  # a gradient on its way into `.grad`: still pending there,
-            return DTensor(t._stack.detach(), t._layout, t.shape,  # for spmd/buckets.py to reduce
-                           pending=t._pending, pending_op=t._pending_op, strides=t.stride())
-        # (else the general path: resolved once, into the tensor both share)
+    if func is _DETACH:  # autograd detaches every gradient
+        out = _detached(args[0])
+        if out is not None:
+            if explain.RECORDERS:  # (recorded as the general path records an op)
+                explain.RECORDERS[-1].op_started(func, args)
+                explain.RECORDERS[-1].op_finished(out)
+            return out
     elif func in _OVERWRITES and isinstance(args[0], DTensor) and args[0]._pending and args[0]._bucket is None \
             and _writes_back(args[0]):  # (a write that would be refused leaves the target as it is)
         args[0]._settle(args[0]._stack)  # its values are overwritten whole: its pending sum is never needed
@@ -168,7 +179,11 @@ def resolve(tensor: DTensor) -> None:
     axes, mesh = tensor._layout.axes, tensor._layout.mesh
     steps = planner.plan_on(mesh, axes, axes, tensor._pending, tensor._pending_op)
     donate = _sole_holder(tensor)
-    tensor._settle(planner.run(tensor._stack, mesh, steps, donate))
+    if explain.RECORDERS and tensor._key[-1] is True:  # a gradient's sum, reduced where it is read: backward's work
+        with explain.RECORDERS[-1].as_backward():
+            tensor._settle(planner.run(tensor._stack, mesh, steps, donate))
+    else:
+        tensor._settle(planner.run(tensor._stack, mesh, steps, donate))
 
 
 def _sole_holder(tensor: DTensor) -> bool:
