@@ -23,6 +23,7 @@ from spmd.controller import Controller
 from spmd.function_mode import Function, function
 from spmd.interop import from_jax_array, from_torch_dtensor, to_jax_array, to_torch_dtensor
 from spmd.local_functions import axis_index, local_map
+from spmd import chunked_losses  # noqa: F401  (torch's chunked loss at reduction 'none', per device)
 from spmd.buckets import no_sync
 from spmd.nn import LayoutMap, Strategy, distribute_module
 from spmd.scope import default_mesh, get_default_mesh, implicit_replication

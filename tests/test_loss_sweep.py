@@ -86,8 +86,8 @@ _CHUNKED_LOSS_COLLECTIVES = {  # on the classifier replicated and the rows shard
 def test_chunked_linear_cross_entropy_matches_torch(reduction, classifier):
     """torch's chunked linear + cross-entropy (the logits never whole): each device runs it on its rows, with the
     classifier whole (gathered where it is sharded) — the loss a pending sum over the rows' mesh dim, a mean's
-    total weight one all-reduce of a scalar. Values and gradients as torch's, an ignored target among them. (The
-    'none' backward, torch's Python loop over plain scratch buffers, still gathers the rows it writes.)"""
+    total weight one all-reduce of a scalar; at 'none' its backward too (torch's Python loop over scratch buffers,
+    per device). Values and gradients as torch's, an ignored target among them."""
     from torch.nn.modules.linear_cross_entropy_options import LinearCrossEntropyOptions
     torch.manual_seed(0)
     x, w, b, target = torch.randn(8, 16), torch.randn(32, 16), torch.randn(32), torch.randint(0, 32, (8,))
@@ -105,7 +105,10 @@ def test_chunked_linear_cross_entropy_matches_torch(reduction, classifier):
     assert spmd.fetch_layout(got).sharding_specs == (["batch"] if reduction == "none" else [])
     if reduction != "none":
         assert got._pending == ("batch",)
-    got.sum().backward()
+    _, collectives = issued(lambda: got.sum().backward())
+    # a scalar loss is read (its sum over "batch"); at 'none' the replicated classifier's gradient stays a sum
+    # pending over "batch" (reduced when read), while a sharded one's is reduced by its relayout back to the shards
+    assert collectives == ([] if reduction == "none" and classifier[0] != "model" else [("all_reduce", ("batch",))])
     px, pw, pb = x.clone().requires_grad_(), w.clone().requires_grad_(), b.clone().requires_grad_()
     want = F.linear_cross_entropy(px, pw, target, linear_bias=pb, reduction=reduction, options=options)
     want.sum().backward()

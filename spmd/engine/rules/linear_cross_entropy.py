@@ -1,11 +1,11 @@
-"""torch's chunked linear + cross-entropy (`F.linear_cross_entropy` with `options=`, torch ≥ 2.13): the custom ops
-that compute a classifier's logits a block of rows at a time, so that the `(N, C)` logits are never whole.
+"""torch's chunked linear + cross-entropy (`F.linear_cross_entropy` with `options=`, torch ≥ 2.13): a custom op
+that computes a classifier's logits a block of rows at a time, so that the `(N, C)` logits are never whole.
 
-Its two ops: `_linear_cross_entropy_batch_chunked` (reduction 'sum' or 'mean') returns the loss and, computed in
-the same pass, the gradients of the input, the classifier's weight and its bias; `..._no_reduction` returns each
-row's loss (its backward recomputes the gradients in Python, op by op, on the DTensors).
+`_linear_cross_entropy_batch_chunked` (reduction 'sum' or 'mean') returns the loss and, computed in the same pass,
+the gradients of the input, the classifier's weight and its bias. (Reduction 'none', whose backward is Python,
+runs per device above autograd: spmd/chunked_losses.py.)
 
-Why the rules hold: rows are independent, so each device runs torch's op on the rows it holds, with the
+Why the rule holds: rows are independent, so each device runs torch's op on the rows it holds, with the
 classifier (and the class weights) whole on it. A sum over rows is then each device's partial sum, left pending
 over the mesh dim sharding the rows — the loss and the two parameter gradients alike; each row's input gradient
 is its own. A mean is that sum divided by the total weight of the rows that count (torch divides by the same
@@ -27,7 +27,6 @@ try:  # defines the ops (torch imports it only on the first chunked call)
 except ImportError:  # torch < 2.13
     _torch_module = None
 _SCALAR = getattr(_torch_module, "_linear_cross_entropy_batch_chunked", None)
-_PER_ROW = getattr(_torch_module, "_linear_cross_entropy_batch_chunked_no_reduction", None)
 
 
 def _operand_axes(call: OpCall) -> tuple:
@@ -90,14 +89,3 @@ if _SCALAR is not None:
         return Decision(inputs, ((), grad_axes, (None, None), (None,)), kernel, collectives=collectives,
                         reduce=pending if summed else (), single=False)
 
-
-if _PER_ROW is not None:
-    @register(_PER_ROW._opoverload)
-    def chunked_rows_rule(call: OpCall) -> Decision:
-        """Each row's loss, on the device holding the row."""
-        rows, inputs = _operand_axes(call)
-        op, rest, n_local = _PER_ROW._opoverload, call.args[5:], call.num_local
-
-        def kernel(l, a, k):
-            return torch.stack([op(*_operands(l, call, d), *rest) for d in range(n_local)])
-        return Decision(inputs, ((rows,),), kernel)
