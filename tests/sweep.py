@@ -247,3 +247,11 @@ def rand(*shape, dtype=torch.float64, seed: int = 0) -> torch.Tensor:
     if dtype.is_floating_point:
         return torch.randn(shape, generator=g, dtype=dtype)
     return torch.randint(0, 4, shape, generator=g, dtype=dtype)
+
+
+def reduce_gradients(params) -> None:
+    """Reads each parameter's gradient where it is: its pending sum reduced (an all-reduce), nothing gathered — for
+    a test to record the reductions that a backward leaves to whoever reads the gradients."""
+    for p in params:
+        if isinstance(p.grad, spmd.DTensor):
+            p.grad._local

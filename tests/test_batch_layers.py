@@ -12,7 +12,7 @@ import torch.nn as nn
 import spmd
 from spmd import UNSHARDED as U, Layout, LayoutMap
 from spmd.explain import Recorder
-from sweep import issued
+from sweep import issued, reduce_gradients
 
 
 def specs(t):
@@ -70,7 +70,8 @@ def test_norms_over_a_sharded_hidden_axis_keep_it_sharded():
         assert specs(out) == layout
         torch.testing.assert_close(spmd.to_global(out), want)
         grad = torch.randn(shape)
-        _, backward = issued(lambda: out.backward(spmd.copy_to_mesh(grad, Layout(layout, mesh))))
+        _, backward = issued(lambda: (out.backward(spmd.copy_to_mesh(grad, Layout(layout, mesh))),
+                                      reduce_gradients(dmodule.parameters())))
         want.backward(grad)
         torch.testing.assert_close(spmd.to_global(dx.grad), x.grad)
         for p, plain in zip(dmodule.parameters(), module.parameters()):
@@ -121,7 +122,8 @@ def test_multihead_attention_training_keeps_the_batch_sharded(batch_first, masks
         assert weights is None
     grad = torch.randn_like(want)
     want.backward(grad)
-    _, collectives = issued(lambda: out.backward(spmd.copy_to_mesh(grad, layout)))
+    _, collectives = issued(lambda: (out.backward(spmd.copy_to_mesh(grad, layout)),
+                                     reduce_gradients(dmha.parameters())))
     assert set(collectives) == {("all_reduce", ("batch",))}
     torch.testing.assert_close(spmd.to_global(dq.grad), q.grad)
     for (name, p), plain in zip(dmha.named_parameters(), mha.parameters()):
@@ -254,6 +256,7 @@ def test_recurrent_modules_keep_the_batch_sharded(name):
         out = drnn(dx)
         out = out[0] if isinstance(out, tuple) else out
         out.sum().backward()
+        reduce_gradients(drnn.parameters())
     forward = [c for c in seen.collectives if not c.backward]
     assert forward == [] and {(c.kind, c.mesh_dims) for c in seen.collectives} == {("all_reduce", ("batch",))}
     assert len(seen.collectives) == len(list(rnn.parameters()))

@@ -9,6 +9,7 @@ import torch
 import spmd
 from spmd import UNSHARDED as U, Layout, LayoutMap
 from spmd.explain import Recorder
+from tests.sweep import reduce_gradients
 
 transformers = pytest.importorskip("transformers")
 
@@ -117,6 +118,7 @@ def test_a_padded_batch_trains_data_parallel_with_only_the_gradients_sums(build)
                      labels=spmd.copy_to_mesh(ids, rows)).loss
     with Recorder() as backward:
         loss.backward()
+        reduce_gradients(model.parameters())
     want = ref(input_ids=ids, attention_mask=mask, labels=ids).loss
     want.backward()
     torch.testing.assert_close(loss.item(), want.item(), rtol=1e-5, atol=0)

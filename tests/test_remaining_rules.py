@@ -14,7 +14,7 @@ import spmd
 from spmd import UNSHARDED as U
 from spmd import Layout
 from spmd.engine import fallback
-from tests.sweep import MESH, all_layouts, issued, Const, check_op, rand
+from tests.sweep import MESH, all_layouts, issued, Const, check_op, rand, reduce_gradients
 
 aten = torch.ops.aten
 
@@ -134,7 +134,7 @@ def test_batch_sharded_grid_sample_runs_no_collective_and_its_backward_none():
     out, forward = issued(lambda: _no_fallback(lambda: F.grid_sample(dx, dg, align_corners=False)))
     assert forward == [] and spmd.fetch_layout(out).sharding_specs == ["x", "y", U, U]
     weights = rand(*out.shape, seed=9)
-    _, backward = issued(lambda: (out * _sharded(weights, "x", "y", U, U)).sum().backward())
+    _, backward = issued(lambda: ((out * _sharded(weights, "x", "y", U, U)).sum().backward(), reduce_gradients([dg])))
     assert ("all_reduce", ("y",)) in backward  # the grid's gradient sums over the channel shards
     xr, gr = x.clone().requires_grad_(), g.clone().requires_grad_()
     want = F.grid_sample(xr, gr, align_corners=False)
@@ -150,7 +150,7 @@ def test_batch_sharded_group_norm_runs_no_collective_and_the_affine_gradients_on
     dw, db = _sharded(w, U, grad=True), _sharded(b, U, grad=True)
     out, forward = issued(lambda: _no_fallback(lambda: F.group_norm(dx, 2, dw, db)))
     assert forward == [] and spmd.fetch_layout(out).sharding_specs == ["x", U, U]
-    _, backward = issued(lambda: spmd.to_global(out).square().sum().backward())
+    _, backward = issued(lambda: (spmd.to_global(out).square().sum().backward(), reduce_gradients([dw, db])))
     assert sorted(backward) == [("all_reduce", ("x",))] * 2
     xr, wr, br = (t.clone().requires_grad_() for t in (x, w, b))
     want = F.group_norm(xr, 2, wr, br)

@@ -12,7 +12,7 @@ import spmd
 from spmd import UNSHARDED as U
 from spmd import Layout
 from spmd.engine import registry
-from tests.sweep import MESH, issued, Const, check_op, rand, torch_differentiates
+from tests.sweep import MESH, issued, Const, check_op, rand, reduce_gradients, torch_differentiates
 
 aten = torch.ops.aten
 pytestmark = pytest.mark.filterwarnings("ignore:index_reduce\\(\\) is in beta")
@@ -212,7 +212,7 @@ def test_cdist_keeps_rows_sharded_and_its_gradient_sums_over_the_other_rows():
     out, forward = issued(lambda: torch.cdist(a, b))
     assert forward == [] and _specs(out) == ["x", "y"]
     weight = _dist(rand(4, 2, seed=2), "x", "y")
-    _, backward = issued(lambda: out.backward(weight))  # a's own layout: the pending sum resolved
+    _, backward = issued(lambda: (out.backward(weight), reduce_gradients([a])))  # a's pending sum, when read
     assert backward == [("all_reduce", ("y",))]
     ref = rand(4, 3).requires_grad_()
     want = torch.cdist(ref, rand(2, 3, seed=1))

@@ -11,7 +11,7 @@ import torch.nn as nn
 import spmd
 from spmd import UNSHARDED as U, Layout
 from spmd.collectives.local import shared
-from sweep import check_op, check_replicas, components, gather, issued, rand
+from sweep import check_op, check_replicas, components, gather, issued, rand, reduce_gradients
 
 
 @pytest.fixture
@@ -217,7 +217,7 @@ def test_a_megatron_mlp_on_batch_x_model_runs_the_one_device_products():
     d2 = spmd.copy_to_mesh(w2, Layout(["model", U], mesh)).requires_grad_()
     with torch.profiler.profile(record_shapes=True) as prof:
         loss, forward = issued(lambda: (torch.relu(dx @ d1) @ d2).square().mean())
-        _, backward = issued(loss.backward)
+        _, backward = issued(lambda: (loss.backward(), reduce_gradients([d1, d2])))
     assert forward == [("all_reduce", ("model",))]
     assert backward == [("all_reduce", ("batch",))] * 3  # the loss's mean, then each weight's gradient
     products = [e.input_shapes for e in prof.events() if e.name in ("aten::mm", "aten::bmm")]
