@@ -71,10 +71,8 @@ if _SCALAR is not None:
             outs = [op(*_operands(l, call, d), local_reduction, ignore_index, *rest) for d in range(n_local)]
             return [torch.stack(o) for o in zip(*outs)]
 
-        if not summed:  # every device holds every row: torch's own op, as it is
+        if not summed or reduction == "sum":  # (not summed: every device holds every row, torch's op as it is)
             kernel, collectives = (lambda l, a, k: per_device(l, reduction)), ()
-        elif reduction == "sum":
-            kernel, collectives = (lambda l, a, k: per_device(l, "sum")), ()
         else:  # mean: the partial sums divided by the total weight of every device's rows
             def kernel(l, a, k, run):
                 loss, *grads = per_device(l, "sum")
