@@ -114,9 +114,6 @@ def _run(fn: Callable, out_layouts, in_layouts, args: tuple, kwargs: dict, state
     _check_plain(fn, leaves + [t for *_, t in state])
     # the mesh dims that replicate every argument and every result: every copy computes the same there
     repeated = tuple(d for d in mesh.dim_names if all(d not in layout.sharded_mesh_dims for layout in laid_out))
-    recorder = explain.RECORDERS[-1] if explain.RECORDERS else None  # (one row of `explain`, its plain ops inside)
-    if recorder is not None:
-        recorder.op_started(f"local_map({_name(fn)})", [x for x in leaves if isinstance(x, DTensor)])
     components = {id(t): _Components.apply(t, repeated).unbind(0) for t in inputs}
     base = mesh.min_global_device_id()
     per_device = []
@@ -132,8 +129,9 @@ def _run(fn: Callable, out_layouts, in_layouts, args: tuple, kwargs: dict, state
         per_device.append(_results(fn, result, out_spec, len(layouts)))
     outs = [_assemble(fn, i, [r[i] for r in per_device], layout, repeated)
             for i, layout in enumerate(layouts)]
-    if recorder is not None:
-        recorder.op_finished(tuple(o for o in outs if isinstance(o, DTensor)))
+    if explain.RECORDERS:  # one row of `explain` (its plain ops are not DTensor ops)
+        explain.RECORDERS[-1].op_started(f"local_map({_name(fn)})", [x for x in leaves if isinstance(x, DTensor)])
+        explain.RECORDERS[-1].op_finished(tuple(o for o in outs if isinstance(o, DTensor)))
     return pytree.tree_unflatten(outs, out_spec)
 
 
