@@ -16,13 +16,9 @@ from __future__ import annotations
 import torch
 
 from spmd.dtensor import DTensor
+from spmd.engine.rules.linear_cross_entropy import torch_ops
 from spmd.layout import UNSHARDED, Layout
 from spmd.local_functions import local_map
-
-try:
-    from torch.nn.modules import linear_cross_entropy as _torch_module
-except ImportError:  # torch < 2.13
-    _torch_module = None
 
 _KEY = torch._C.DispatchKey.PythonTLSSnapshot
 
@@ -48,7 +44,7 @@ def _per_row_losses(keyset, input, linear_weight, target, linear_bias, weight, *
 
 
 _OP = None
-if _torch_module is not None:
-    _OP = _torch_module._linear_cross_entropy_batch_chunked_no_reduction._opoverload
+if torch_ops is not None:  # (torch < 2.13 has no chunked loss)
+    _OP = torch_ops._linear_cross_entropy_batch_chunked_no_reduction._opoverload
     _LIBRARY = torch.library.Library("torch_nn", "IMPL")  # kept alive: dropping it would unregister the kernel
     _LIBRARY.impl(_OP.name().split("::")[-1], _per_row_losses, _KEY.name, with_keyset=True)

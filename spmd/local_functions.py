@@ -95,9 +95,9 @@ def local_map(fn: Callable | None = None, out_layouts: Any = None, *, in_layouts
 
     @functools.wraps(fn)
     def mapped(*args, **kwargs):
-        if kwargs or not all(isinstance(a, torch.Tensor) for a in args):  # (a graph node takes tensors only)
-            return _untraced_run(call, out_layouts, in_layouts, args, kwargs, _module_state(module))
-        return traceable(*args, *[t for *_, t in _module_state(module)])
+        if torch.compiler.is_compiling() and not kwargs and all(isinstance(a, torch.Tensor) for a in args):
+            return traceable(*args, *[t for *_, t in _module_state(module)])  # (a graph node takes tensors only)
+        return _untraced_run(call, out_layouts, in_layouts, args, kwargs, _module_state(module))
     return mapped
 
 

@@ -96,12 +96,10 @@ def _detached(t: DTensor) -> DTensor | None:
     """A detach without the dispatcher: the same components; a gradient on its way into `.grad` still pending
     there, for spmd/buckets.py to reduce. None for another pending tensor: the general path resolves it once, into
     the tensor both share."""
-    if not t._pending:
-        return DTensor(t._stack.detach(), t._layout, t.shape, strides=t.stride())
-    if torch._C._current_graph_task_id() != -1:
-        return DTensor(t._stack.detach(), t._layout, t.shape, pending=t._pending, pending_op=t._pending_op,
-                       strides=t.stride())
-    return None
+    if t._pending and torch._C._current_graph_task_id() == -1:
+        return None
+    return DTensor(t._stack.detach(), t._layout, t.shape, pending=t._pending, pending_op=t._pending_op,
+                   strides=t.stride())
 
 
 def dispatch(func, args=(), kwargs=None):

@@ -23,10 +23,10 @@ from spmd.engine.registry import register
 from spmd.engine.rules.pointwise import merge_axes
 
 try:  # defines the ops (torch imports it only on the first chunked call)
-    from torch.nn.modules import linear_cross_entropy as _torch_module
+    from torch.nn.modules import linear_cross_entropy as torch_ops
 except ImportError:  # torch < 2.13
-    _torch_module = None
-_SCALAR = getattr(_torch_module, "_linear_cross_entropy_batch_chunked", None)
+    torch_ops = None
+_SCALAR = getattr(torch_ops, "_linear_cross_entropy_batch_chunked", None)
 
 
 def _operand_axes(call: OpCall) -> tuple:
