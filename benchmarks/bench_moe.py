@@ -7,10 +7,15 @@ Variants, each a training step with AdamW on the same batches (each client its h
   whole batch sorted by expert), so each MoE layer gathers every client's tokens and each client runs the experts
   over all of them;
 - `spmd_local`: the same, with each layer's experts under `spmd.local_map`: each client routes its own tokens;
-- `spmd_local_fn`: that step under `spmd.function` (inductor; the optimizer's update a graph of its own).
+- `spmd_local_fn`: that step under `spmd.function` (inductor; the optimizer's update a graph of its own);
+- `spmd_ep`: expert parallel (`spmd.expert_parallel`): each client holds half of the experts, and each layer sends
+  the tokens to their experts' client and back by all-to-all (no token dropped); the experts' gradients stay where
+  they are, so only the other parameters' gradients are all-reduced;
+- `spmd_ep_fn`: that step under `spmd.function`.
 
-Reported: ms per step, its ratio to DDP's, the all-gathers of one spmd step (the gradients' all-reduces are
-bucketed as DDP's in every variant), the largest difference of the first steps' losses to DDP's.
+Reported: ms per step, its ratio to DDP's, the parameters a client holds (AdamW keeps two more of each), the
+all-gathers and all-to-alls of one eager spmd step (the gradients' all-reduces are bucketed as DDP's in every
+variant), the largest difference of the first steps' losses to DDP's.
 
 usage: python benchmarks/bench_moe.py [--quick] [--reps R] [--steps N] [--out DIR]
        python benchmarks/bench_moe.py --readme-only   # README.md's table from results/moe.json
@@ -40,7 +45,9 @@ QUICK_MODEL = dict(MODEL, hidden_size=32, intermediate_size=64, num_local_expert
 BATCH, QUICK_BATCH = (8, 64), (4, 8)  # (sequences, tokens each) of the global batch
 VARIANTS = {"ddp": "DistributedDataParallel", "spmd": "spmd, the model's global routing",
             "spmd_local": "spmd, experts under `local_map` (each client routes its own tokens)",
-            "spmd_local_fn": "the same under `spmd.function` (inductor)"}
+            "spmd_local_fn": "the same under `spmd.function` (inductor)",
+            "spmd_ep": "spmd, expert parallel (`expert_parallel`: half the experts per client, tokens by all-to-all)",
+            "spmd_ep_fn": "the same under `spmd.function` (inductor)"}
 
 
 # -- the worker (one per client) -------------------------------------------------------------------------------------
@@ -63,10 +70,14 @@ def _variants(args, rank: int):
     half = ids.chunk(2)[rank]
     sharded = spmd.copy_to_mesh(ids, Layout(["batch", U], mesh))
     variants = {"ddp": (DDP(copy.deepcopy(base)), half)}
-    for name in ("spmd", "spmd_local", "spmd_local_fn"):
-        model = spmd.distribute_module(copy.deepcopy(base), mesh)
-        if name != "spmd":
-            for layer in model.model.layers:
+    for name in ("spmd", "spmd_local", "spmd_local_fn", "spmd_ep", "spmd_ep_fn"):
+        expert_parallel = name.startswith("spmd_ep")
+        model = spmd.distribute_module(copy.deepcopy(base), mesh, {r"experts\.": ["batch", U, U]} if expert_parallel
+                                       else None)
+        for layer in model.model.layers if name != "spmd" else ():
+            if expert_parallel:
+                spmd.expert_parallel(layer.mlp.experts, "batch")
+            else:
                 layer.mlp.experts.forward = spmd.local_map(layer.mlp.experts, out_layouts=Layout(["batch", U], mesh))
         variants[name] = (model, sharded)
     losses = {name: [] for name in variants}
@@ -93,7 +104,9 @@ def _variants(args, rank: int):
                 dist.all_reduce(total)
                 losses[name].append(float(total) / 2)
         return step
-    return {name: step_fn(name) for name in variants}, losses
+    held = {name: sum(spmd.unpack(p)[0].numel() if isinstance(p, spmd.DTensor) else p.numel()
+                      for p in model.parameters()) for name, (model, _) in variants.items()}
+    return {name: step_fn(name) for name in variants}, losses, held
 
 
 def worker(args) -> None:
@@ -104,13 +117,13 @@ def worker(args) -> None:
     from spmd.explain import Recorder
     spmd.initialize_accelerator_system("CPU", num_logical_cpu_devices=1)
     rank = spmd.client_id()
-    steps, losses = _variants(args, rank)
+    steps, losses, held = _variants(args, rank)
     for step in steps.values():  # warm-up: the first steps' losses, compared below
         for _ in range(args.warm):
             step()
     first = {name: list(values) for name, values in losses.items()}
     collectives = {}
-    for name in ("spmd", "spmd_local"):  # (a graph's collectives are recorded when it is traced, not run)
+    for name in ("spmd", "spmd_local", "spmd_ep"):  # (a graph's collectives are recorded when it is traced, not run)
         with Recorder() as r:
             steps[name]()
         counts: dict[str, int] = {}
@@ -121,7 +134,8 @@ def worker(args) -> None:
     for r in results.values():
         if "median" in r:
             r["median"] /= 1000  # ms per step
-    data = {"environment": environment(), "quick": args.quick, "model": QUICK_MODEL if args.quick else MODEL,
+    data = {"environment": environment(), "quick": args.quick, "parameters_per_client": held,
+            "model": QUICK_MODEL if args.quick else MODEL,
             "batch": QUICK_BATCH if args.quick else BATCH, "results": results, "collectives": collectives,
             "max_loss_diff_vs_ddp": {name: max(abs(a - b) for a, b in zip(first[name], first["ddp"]))
                                      for name in first}}
@@ -146,10 +160,13 @@ def readme_table(data: dict) -> str:
     rows = []
     for name, label in VARIANTS.items():
         ms = res[name].get("median")
-        gathers = str(counts[name].get("all_gather", 0)) if name in counts else "–"
-        rows.append([label, fmt(ms), ratio(ms, ddp), gathers, f"{data['max_loss_diff_vs_ddp'][name]:.1e}"])
+        gathers, exchanges = (str(counts[name].get(kind, 0)) if name in counts else "–"
+                              for kind in ("all_gather", "all_to_all"))
+        rows.append([label, fmt(ms), ratio(ms, ddp), f"{data['parameters_per_client'][name] / 1e6:.2f}", gathers,
+                     exchanges, f"{data['max_loss_diff_vs_ddp'][name]:.1e}"])
     return caption(data) + "\n\n" + md_table(
-        ["data-parallel step", "ms/step", "vs DDP", "all-gathers per step", "loss vs DDP"], rows)
+        ["training step", "ms/step", "vs DDP", "parameters per client (M)", "all-gathers per step",
+         "all-to-alls per step", "loss vs DDP"], rows)
 
 
 def main(argv=None) -> dict:

@@ -273,4 +273,5 @@ def _name(fn: Callable) -> str:
     owner = getattr(fn, "__self__", None) or getattr(fn, "module", None)  # (a distributed module's forward: .module)
     if isinstance(owner, nn.Module):
         return type(owner).__name__
+    fn = fn.func if isinstance(fn, functools.partial) else fn
     return getattr(fn, "__name__", type(fn).__name__)

@@ -43,7 +43,10 @@ def test_bench_moe_quick(tmp_path):
     data = bench_moe.main(["--quick", "--timeout", "90", "--out", str(tmp_path)])
     assert set(data["results"]) == set(bench_moe.VARIANTS)
     assert all("error" not in r for r in data["results"].values()), data["results"]
-    for name in ("spmd", "spmd_local", "spmd_local_fn"):
+    for name in bench_moe.VARIANTS:
         assert data["max_loss_diff_vs_ddp"][name] == pytest.approx(0.0, abs=1e-5)
     assert data["collectives"]["spmd"].get("all_gather", 0) > 0  # the global routing gathers the tokens
     assert "all_gather" not in data["collectives"]["spmd_local"]
+    # expert parallel: 2 layers x (there, back) x (forward, backward), and half the experts' weights per client
+    assert data["collectives"]["spmd_ep"] == {"all_reduce": 3, "all_to_all": 8}
+    assert data["parameters_per_client"]["spmd_ep"] < data["parameters_per_client"]["ddp"]

@@ -237,6 +237,46 @@ def test_mixture_of_experts_under_local_map_traces_as_one_graph(mesh):
         _close(spmd.to_global(p.grad), q.grad, name)
 
 
+@pytest.mark.parametrize("implementation", ["grouped_mm", "eager"])
+def test_mixture_of_experts_expert_parallel(mesh, implementation):
+    """`spmd.expert_parallel`: each layer's experts sharded over "batch", each device's tokens sent to their experts'
+    devices and back (an all-to-all each way), no token dropped: the losses and gradients of plain torch. The
+    forward's collectives: per layer one all-reduce of the routing's counts (the slots' capacity) and two
+    all-to-alls, all over "batch"; nothing over "model" (its copies compute the same)."""
+    torch.manual_seed(0)
+    ref = _mixtral(implementation)
+    model = spmd.distribute_module(copy.deepcopy(ref), mesh, {r"experts\.": ["batch", U, U]})
+    for layer in model.model.layers:
+        spmd.expert_parallel(layer.mlp.experts, "batch")
+    forward = _step_like_torch(model, ref, mesh)
+    per_layer = [("all_reduce", ("batch",)), ("all_to_all", ("batch",)), ("all_to_all", ("batch",))]
+    assert [(c.kind, c.mesh_dims) for c in forward.collectives] == per_layer * 2 + [("all_reduce", ("batch",))]
+    for name, p in model.named_parameters():
+        if "experts" in name:  # each device's experts' gradients: nothing pending, nothing all-reduced
+            assert p.grad._layout.sharding_specs == ["batch", U, U] and not p.grad._pending, name
+
+
+def test_mixture_of_experts_expert_parallel_traces_as_one_graph(mesh):
+    """The same under spmd.function: the routing, the all-to-alls and the experts in the step's graph."""
+    torch.manual_seed(0)
+    ref = _mixtral("grouped_mm")
+    model = spmd.distribute_module(copy.deepcopy(ref), mesh, {r"experts\.": ["batch", U, U]})
+    for layer in model.model.layers:
+        spmd.expert_parallel(layer.mlp.experts, "batch")
+    ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(1))
+    step = spmd.function(lambda x: model(input_ids=x, labels=x).loss, backend="aot_eager")
+    explained = step.explain(spmd.copy_to_mesh(ids, Layout(["batch", U], mesh)))
+    assert [c.kind for c in explained.collectives].count("all_to_all") == 4  # 2 layers x (there, back)
+    loss = step(spmd.copy_to_mesh(ids, Layout(["batch", U], mesh)))
+    loss.backward()
+    want = ref(input_ids=ids, labels=ids).loss
+    want.backward()
+    assert step.experimental_get_tracing_count() == 1
+    torch.testing.assert_close(loss.item(), want.item(), rtol=1e-5, atol=0)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        _close(spmd.to_global(p.grad), q.grad, name)
+
+
 def _step_like_torch(model, ref, mesh) -> Recorder:
     """A language-model training step of `model` on a batch-sharded batch, its loss and gradients checked against
     plain torch's `ref`; the forward's collectives."""
