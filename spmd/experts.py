@@ -51,7 +51,8 @@ def expert_parallel(experts: nn.Module, mesh_dim: str, *, capacity_factor: float
       experts: a module of HuggingFace's experts interface (`MixtralExperts`, `Qwen3MoeExperts`, ...): every
         parameter stacks the experts along dim 0, `forward(hidden, top_k_index, top_k_weights)`. Its parameters
         must be DTensors sharded along dim 0 over `mesh_dim` (and replicated over the other mesh dims):
-        `distribute_module(model, mesh, {r"experts\\.": [mesh_dim, UNSHARDED, UNSHARDED]})`.
+        `distribute_module(model, mesh, {r"\\.experts\\.\\w*bias$": [mesh_dim, UNSHARDED],
+        r"\\.experts\\.": [mesh_dim, UNSHARDED, UNSHARDED]})`.
       mesh_dim: the mesh dimension the experts are spread over; the tokens of a call are sharded over it (its
         arguments are relayouted to rows sharded over `mesh_dim`, which is free when they already are).
       capacity_factor: None (default): no token is dropped. A number f: each expert takes at most

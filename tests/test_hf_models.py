@@ -256,6 +256,38 @@ def test_mixture_of_experts_expert_parallel(mesh, implementation):
             assert p.grad._layout.sharding_specs == ["batch", U, U] and not p.grad._pending, name
 
 
+_SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              vocab_size=64, max_position_embeddings=32, num_experts_per_tok=2, experts_implementation="grouped_mm")
+MOE_MODELS = {  # HuggingFace's experts interface: gated or not, with biases (gpt-oss), shared experts beside them
+    "qwen3_moe": lambda: transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        **_SMALL, num_experts=4, moe_intermediate_size=32, head_dim=8)),
+    "qwen2_moe": lambda: transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+        **_SMALL, num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=32)),
+    "olmoe": lambda: transformers.OlmoeForCausalLM(transformers.OlmoeConfig(**_SMALL, num_experts=4)),
+    "gpt_oss": lambda: transformers.GptOssForCausalLM(transformers.GptOssConfig(
+        **_SMALL, num_local_experts=4, head_dim=8, layer_types=["full_attention"] * 2)),
+    "deepseek_v3": lambda: transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
+        **dict(_SMALL, num_key_value_heads=4), n_routed_experts=4, moe_intermediate_size=32, n_group=1, topk_group=1,
+        first_k_dense_replace=0, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+        v_head_dim=8)),
+}
+
+
+@pytest.mark.parametrize("name", MOE_MODELS)
+def test_expert_parallel_moe_families(mesh, name):
+    """Other mixture-of-experts families of transformers, unchanged, expert parallel over "batch" (their routers,
+    shared experts and expert biases as they are): plain torch's losses and gradients; 2 all-to-alls per layer."""
+    torch.manual_seed(0)
+    ref = MOE_MODELS[name]()
+    model = spmd.distribute_module(copy.deepcopy(ref), mesh,
+                                   {r"\.experts\.\w*bias$": ["batch", U], r"\.experts\.": ["batch", U, U]})
+    for module in model.modules():
+        if type(module).__name__.endswith("Experts"):
+            spmd.expert_parallel(module, "batch")
+    forward = _step_like_torch(model, ref, mesh)
+    assert [c.kind for c in forward.collectives].count("all_to_all") == 4
+
+
 def test_mixture_of_experts_expert_parallel_traces_as_one_graph(mesh):
     """The same under spmd.function: the routing, the all-to-alls and the experts in the step's graph."""
     torch.manual_seed(0)
