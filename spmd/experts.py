@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -44,7 +45,8 @@ from spmd.local_functions import local_map
 __all__ = ["expert_parallel"]
 
 
-def expert_parallel(experts: nn.Module, mesh_dim: str, *, capacity_factor: float | None = None) -> nn.Module:
+def expert_parallel(experts: nn.Module, mesh_dim: str, *, token_dims: Sequence[str] | None = None,
+                    capacity_factor: float | None = None) -> nn.Module:
     """Runs `experts` expert-parallel over `mesh_dim`, in place; returns `experts`.
 
     Args:
@@ -53,8 +55,12 @@ def expert_parallel(experts: nn.Module, mesh_dim: str, *, capacity_factor: float
         must be DTensors sharded along dim 0 over `mesh_dim` (and replicated over the other mesh dims):
         `distribute_module(model, mesh, {r"\\.experts\\.\\w*bias$": [mesh_dim, UNSHARDED],
         r"\\.experts\\.": [mesh_dim, UNSHARDED, UNSHARDED]})`.
-      mesh_dim: the mesh dimension the experts are spread over; the tokens of a call are sharded over it (its
-        arguments are relayouted to rows sharded over `mesh_dim`, which is free when they already are).
+      mesh_dim: the mesh dimension the experts are spread over.
+      token_dims: the mesh dims the tokens' rows are sharded over, major first, `mesh_dim` among them (default: it
+        alone). The arguments are relayouted to rows sharded so, which is free where they already are. With
+        `("data", mesh_dim)` each group of devices along `mesh_dim` exchanges its tokens (expert parallel within
+        data parallel): the experts are copies over "data", and their gradients are summed over it as a
+        replicated parameter's.
       capacity_factor: None (default): no token is dropped. A number f: each expert takes at most
         ceil(f · k · tokens / experts) tokens from each device, and drops the rest.
 
@@ -75,10 +81,14 @@ def expert_parallel(experts: nn.Module, mesh_dim: str, *, capacity_factor: float
     if isinstance(experts.forward, _ExpertParallel):
         raise ValueError(f"expert_parallel: {type(experts).__name__} is already expert parallel")
     mesh, count = _check_sharded(experts, mesh_dim)
+    token_dims = tuple(token_dims or (mesh_dim,))
+    if mesh_dim not in token_dims or not set(token_dims) <= set(mesh.dim_names):
+        raise LayoutError(f"expert_parallel: token_dims {token_dims} must be dimensions of the mesh "
+                          f"({mesh.dim_names}), {mesh_dim!r} among them")
     if capacity_factor is not None and not capacity_factor > 0:
         raise ValueError(f"expert_parallel: capacity_factor must be positive (or None: no token dropped), got "
                          f"{capacity_factor}")
-    experts.forward = _ExpertParallel(experts, mesh, mesh_dim, count, capacity_factor)
+    experts.forward = _ExpertParallel(experts, mesh, mesh_dim, token_dims, count, capacity_factor)
     return experts
 
 
@@ -110,11 +120,15 @@ def _check_sharded(experts: nn.Module, mesh_dim: str):
 class _ExpertParallel:
     """The forward of an expert-parallel experts module (see the module's docstring for its steps)."""
 
-    def __init__(self, experts: nn.Module, mesh, mesh_dim: str, count: int, capacity_factor: float | None):
-        self.mesh, self.mesh_dim, self.count, self.capacity_factor = mesh, mesh_dim, count, capacity_factor
-        self.rows = Layout([mesh_dim, U], mesh)
-        self.sent = Layout([mesh_dim, U, U, U], mesh)  # [senders, experts, capacity, h]: a sender's slots
-        self.received = Layout([U, mesh_dim, U, U], mesh)  # the same, an expert's slots on the expert's device
+    def __init__(self, experts: nn.Module, mesh, mesh_dim: str, token_dims: tuple, count: int,
+                 capacity_factor: float | None):
+        self.count, self.capacity_factor = count, capacity_factor
+        self.shards = math.prod(mesh.dim_size(d) for d in token_dims)  # (of the tokens)
+        senders = _axis(token_dims)
+        self.rows = Layout([senders, U], mesh)
+        self.sent = Layout([senders, U, U, U], mesh)  # [senders, experts, capacity, h]: a sender's slots
+        # the same, each expert's slots on its device (the senders along mesh_dim moved to the experts' axis)
+        self.received = Layout([_axis(tuple(d for d in token_dims if d != mesh_dim)), mesh_dim, U, U], mesh)
         self.counts = local_map(functools.partial(_tokens_per_expert, count=count), out_layouts=self.rows,
                                 in_layouts=(self.rows,))
         self.run_experts = local_map(_LocalExperts(experts, experts.forward), out_layouts=self.received)
@@ -129,12 +143,17 @@ class _ExpertParallel:
         return self.combine(relayout(done, self.sent), slots, top_k_weights)
 
     def _capacity(self, tokens: int, top_k_index) -> int:
-        per_device = tokens // self.mesh.dim_size(self.mesh_dim)
+        per_device = tokens // self.shards
         if self.capacity_factor is not None:
             return max(1, math.ceil(self.capacity_factor * per_device * top_k_index.shape[1] / self.count))
         if torch.compiler.is_compiling():  # (a graph's shapes are static: room for all of a device's tokens)
             return max(1, per_device)
         return max(1, int(self.counts(top_k_index).max()))
+
+
+def _axis(dims: tuple):
+    """One axis's sharding over `dims`: unsharded, one mesh dim, or several (major first)."""
+    return U if not dims else dims[0] if len(dims) == 1 else dims
 
 
 def _tokens_per_expert(top_k_index: torch.Tensor, count: int) -> torch.Tensor:

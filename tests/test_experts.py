@@ -129,3 +129,35 @@ def test_traced_by_function_mode_as_its_steps():
     assert [(c.kind, c.mesh_dims) for c in explained.collectives] == [("all_to_all", ("batch",))] * 2
     torch.testing.assert_close(spmd.to_global(step(hidden, top_k, weights)),
                                spmd.to_global(ep(hidden, top_k, weights)), rtol=1e-5, atol=1e-5)
+
+
+def test_expert_parallel_within_data_parallel():
+    """token_dims=("data", "expert"): the tokens sharded over both, the experts over "expert" and copied over
+    "data". Each "expert" group exchanges its own tokens (all-to-alls over "expert" only); the experts' gradients
+    are the sum of the "data" groups' contributions, pending over "data" until read."""
+    layer, mesh = _experts(), spmd.create_mesh([("data", 2), ("expert", 2)])
+    hidden, top_k, weights = _routing()
+    hidden.requires_grad_(), weights.requires_grad_()
+    want = layer(hidden, top_k, weights)
+    (want * SCALE).sum().backward()
+    ep = spmd.expert_parallel(spmd.distribute_module(copy.deepcopy(layer), mesh, {".": ["expert", U, U]}), "expert",
+                              token_dims=("data", "expert"))
+    rows = Layout([("data", "expert"), U], mesh)
+    h, w = (spmd.copy_to_mesh(t.detach(), rows).requires_grad_() for t in (hidden, weights))
+    with Recorder() as recorded:
+        out = ep(h, spmd.copy_to_mesh(top_k, rows), w)
+        (out * spmd.copy_to_mesh(SCALE, Layout([U], mesh))).sum().backward()
+    assert [(c.kind, c.mesh_dims) for c in recorded.collectives] == \
+        [("all_reduce", ("data", "expert"))] + [("all_to_all", ("expert",))] * 4
+    assert ep.gate_up_proj.grad._pending == ("data",)
+    torch.testing.assert_close(spmd.to_global(out), want, rtol=1e-5, atol=1e-5)
+    for got, expected in [(h.grad, hidden.grad), (w.grad, weights.grad),
+                          (ep.gate_up_proj.grad, layer.gate_up_proj.grad), (ep.down_proj.grad, layer.down_proj.grad)]:
+        torch.testing.assert_close(spmd.to_global(got), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_token_dims_must_include_the_experts_dim():
+    mesh = spmd.create_mesh([("data", 2), ("expert", 2)])
+    sharded = spmd.distribute_module(_experts(), mesh, {".": ["expert", U, U]})
+    with pytest.raises(spmd.LayoutError, match="'expert' among them"):
+        spmd.expert_parallel(sharded, "expert", token_dims=("data",))
