@@ -218,25 +218,6 @@ def test_mixture_of_experts_routes_each_devices_tokens_under_local_map(mesh, imp
     assert [(c.kind, c.mesh_dims) for c in forward.collectives] == [("all_reduce", ("batch",))]  # the mean's sums
 
 
-def test_mixture_of_experts_under_local_map_traces_as_one_graph(mesh):
-    """The same under spmd.function: each device's routing and experts are traced into the step's graph."""
-    torch.manual_seed(0)
-    ref = _mixtral("grouped_mm")
-    model = spmd.distribute_module(copy.deepcopy(ref), mesh)
-    for layer in model.model.layers:
-        layer.mlp.experts.forward = spmd.local_map(layer.mlp.experts, out_layouts=Layout(["batch", U], mesh))
-    ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(1))
-    step = spmd.function(lambda x: model(input_ids=x, labels=x).loss, backend="aot_eager")
-    loss = step(spmd.copy_to_mesh(ids, Layout(["batch", U], mesh)))
-    loss.backward()
-    want = ref(input_ids=ids, labels=ids).loss
-    want.backward()
-    assert step.experimental_get_tracing_count() == 1
-    torch.testing.assert_close(loss.item(), want.item(), rtol=1e-5, atol=0)
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        _close(spmd.to_global(p.grad), q.grad, name)
-
-
 @pytest.mark.parametrize("implementation", ["grouped_mm", "eager"])
 def test_mixture_of_experts_expert_parallel(mesh, implementation):
     """`spmd.expert_parallel`: each layer's experts sharded over "batch", each device's tokens sent to their experts'
@@ -288,17 +269,25 @@ def test_expert_parallel_moe_families(mesh, name):
     assert [c.kind for c in forward.collectives].count("all_to_all") == 4
 
 
-def test_mixture_of_experts_expert_parallel_traces_as_one_graph(mesh):
-    """The same under spmd.function: the routing, the all-to-alls and the experts in the step's graph."""
+@pytest.mark.parametrize("per_device", ["local_map", "expert_parallel"])
+def test_mixture_of_experts_per_device_traces_as_one_graph(mesh, per_device):
+    """Under spmd.function each device's routing and experts (`local_map`), or the expert-parallel layer's steps and
+    its all-to-alls, are traced into the step's graph."""
     torch.manual_seed(0)
     ref = _mixtral("grouped_mm")
-    model = spmd.distribute_module(copy.deepcopy(ref), mesh, {r"experts\.": ["batch", U, U]})
+    expert_parallel = per_device == "expert_parallel"
+    model = spmd.distribute_module(copy.deepcopy(ref), mesh, {r"experts\.": ["batch", U, U]} if expert_parallel
+                                   else None)
     for layer in model.model.layers:
-        spmd.expert_parallel(layer.mlp.experts, "batch")
+        if expert_parallel:
+            spmd.expert_parallel(layer.mlp.experts, "batch")
+        else:
+            layer.mlp.experts.forward = spmd.local_map(layer.mlp.experts, out_layouts=Layout(["batch", U], mesh))
     ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(1))
     step = spmd.function(lambda x: model(input_ids=x, labels=x).loss, backend="aot_eager")
     explained = step.explain(spmd.copy_to_mesh(ids, Layout(["batch", U], mesh)))
-    assert [c.kind for c in explained.collectives].count("all_to_all") == 4  # 2 layers x (there, back)
+    # expert parallel: 2 layers x (there, back)
+    assert [c.kind for c in explained.collectives].count("all_to_all") == (4 if expert_parallel else 0)
     loss = step(spmd.copy_to_mesh(ids, Layout(["batch", U], mesh)))
     loss.backward()
     want = ref(input_ids=ids, labels=ids).loss
