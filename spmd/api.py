@@ -75,8 +75,8 @@ class _Relayout(torch.autograd.Function):
         return make(planner.run(tensor._stack, layout.mesh, steps), layout)
 
     @staticmethod
-    def backward(ctx, grad):
-        return _Relayout.apply(grad, ctx.source), None
+    def backward(ctx, grad):  # (spmd::relayout's rule keeps a gradient's pending sum where it can)
+        return relayout_op(grad, ctx.source.to_string()), None
 
 
 def _distribute(value: torch.Tensor, layout: Layout) -> DTensor:

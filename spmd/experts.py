@@ -6,7 +6,7 @@ stacked along dim 0 and sharded there over `mesh_dim`, `forward(hidden [tokens, 
 top_k_weights [tokens, k]) -> [tokens, h]` — and replaces its forward with these steps:
 
 1. on each device (`local_map`), its own tokens copied into a buffer `[experts, capacity, h]`: the slots each
-   expert receives from this device, in token order;
+   expert receives from this device, in token order (with one more column marking the filled slots);
 2. the buffers, one per device along `mesh_dim`, relayouted from their senders to the experts' devices (an
    all-to-all over `mesh_dim`);
 3. on each device, its experts over the filled slots it received, by the module's own forward on the device's
@@ -16,7 +16,8 @@ top_k_weights [tokens, k]) -> [tokens, h]` — and replaces its forward with the
 5. on each device, each token's results weighted by its routing weights and summed.
 
 Backward runs the same in reverse (an all-to-all's gradient is the reverse all-to-all). An expert's weight gradient
-stays on the expert's device: no expert gradient is all-reduced, and each device stores 1/N of the experts.
+stays on the expert's device: no expert gradient is all-reduced over `mesh_dim`, and each device stores 1/N of the
+experts.
 
 Capacity: by default no token is dropped: a buffer holds as many slots per expert as the most tokens one device
 sends to one expert, found by one small all-reduce per call (balanced routing needs k/E of a device's tokens; skewed

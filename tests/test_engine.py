@@ -18,7 +18,7 @@ from spmd.collectives import Collective, Kind
 from spmd.engine import planner, registry
 from spmd.engine.decision import Decision, OpCall, TensorSpec
 from spmd.explain import Recorder
-from sweep import check_op, components, gather
+from sweep import check_op, components, gather, reduce_gradients
 
 U = UNSHARDED
 aten = torch.ops.aten
@@ -136,13 +136,14 @@ def test_relayout_of_a_pending_reduction_is_one_reduce_scatter(mesh22):
 
 def test_relayout_of_a_pending_sum_to_another_dims_sharding_reduces_only_the_block(mesh22):
     """A vocabulary-parallel embedding's table gradient, pending over the batch's dim, relayouted to the table's
-    layout sharded over the other dim: each device slices its block of the partial sums, then one all-reduce of
-    the block (not of the whole table, then a slice)."""
+    layout sharded over the other dim: each device slices its block of the partial sums, still pending, and reading
+    it is one all-reduce of the block (not of the whole table, then a slice)."""
     torch.manual_seed(0)
     value, ids = torch.randn(16, 4), torch.randint(0, 16, (4, 6))
     table = spmd.copy_to_mesh(value, Layout(["y", U], mesh22)).requires_grad_()
     with Recorder() as seen:
         (F.embedding(spmd.copy_to_mesh(ids, Layout(["x", U], mesh22)), table) ** 2).sum().backward()
+        reduce_gradients([table])
     backward = [(c.kind, c.mesh_dims, c.bytes) for c in seen.collectives if c.backward]
     assert backward == [("all_reduce", ("x",), 8 * 4 * 4)]  # each device's 8 rows of 4 floats
     plain = value.clone().requires_grad_()
@@ -181,6 +182,28 @@ def test_gradient_accumulation_reduces_each_gradient_once(mesh22):
         value, collectives = issued(lambda: gather(got))
         assert collectives == [("all_reduce", ("x",), True)]  # (a gradient's sum: counted as backward's work)
         torch.testing.assert_close(value, want)
+
+
+def test_a_gradient_stays_pending_through_a_relayout_back_to_its_leaf(mesh22):
+    """A weight sharded over "y", relayouted to replicated in the forward, gets its gradient as a sum pending over
+    the batch's "x", replicated over "y". Relayouted back to the leaf's layout, the sum stays pending (slicing a sum
+    gives the slice's sum): micro-batches accumulate without a collective, and reading the gradient is one
+    all-reduce, of the slice."""
+    torch.manual_seed(0)
+    vw = torch.randn(4, 3)
+    w = spmd.DVariable(vw, layout=Layout(["y", U], mesh22))
+    want = torch.zeros(4, 3)
+    for _ in range(2):
+        vx = torch.randn(4, 4)
+        x = spmd.copy_to_mesh(vx, Layout(["x", U], mesh22))
+        with Recorder() as seen:
+            (x @ spmd.relayout(w, Layout([U, U], mesh22))).sum().backward()
+        assert [(c.kind, c.mesh_dims) for c in seen.collectives] == [("all_gather", ("y",))]
+        want += vx.sum(0, keepdim=True).T.expand(4, 3)
+    assert w.grad._pending == ("x",) and w.grad._layout == w._layout
+    value, collectives = issued(lambda: gather(w.grad))
+    assert collectives == [("all_reduce", ("x",), True)]
+    torch.testing.assert_close(value, want)
 
 
 def test_an_op_wanting_the_reduced_dim_sharded_gets_a_reduce_scatter(mesh22):

@@ -87,4 +87,10 @@ def relayout_rule(call: OpCall) -> Decision:
                                 "meshes outside the compiled function")
     target = layout.axes
     moved = planner.plan_on(call.mesh, spec.axes, target)
-    return Decision((target,), (target,), (lambda l, a, k: l[0]) if moved else (lambda l, a, k: l[0].clone()))
+    kernel = (lambda l, a, k: l[0]) if moved else (lambda l, a, k: l[0].clone())
+    if spec.gradient and spec.pending and not set(spec.pending) & set(layout.sharded_mesh_dims):
+        # a gradient's sum over mesh dims that the target does not shard stays pending (the steps over the other
+        # mesh dims commute with it): reduced once where the gradient is read (in DDP-like buckets across clients,
+        # once per accumulation), not at each relayout on its way to the leaf
+        return Decision((target,), (target,), kernel, keeps=(0,), reduce=(spec.pending,))
+    return Decision((target,), (target,), kernel)
