@@ -159,3 +159,38 @@ def test_attention_dropout_under_the_math_kernel_is_layout_invariant():
     for out in outs[1:]:
         torch.testing.assert_close(out, outs[0])
     assert not torch.allclose(outs[0], F.scaled_dot_product_attention(x, x, x))  # dropout took place
+
+
+# -- context parallelism: the query's rows kept sharded (torch's CPU kernel) ------------------------------------
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_cpu_attention_matches_plain_torch_for_every_layout_of_query(causal):
+    """torch's CPU flash kernel, every layout of the query (its rows sharded too) against a few of the keys' and
+    values': values and gradients as plain torch's; a causal mask is each device's own where the rows are sharded."""
+    check_op(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal), QKV,
+             layouts=[_Q, _Q[::7], _Q[::8]])
+
+
+def test_cpu_attention_with_a_mask_over_sharded_rows():
+    mask = Const(rand(4, 4, seed=5))
+    check_op(lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m), QKV + [mask],
+             layouts=[_Q[::2], _Q[::9], _Q[1::9], all_layouts(MESH, (4, 4))])
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_sequence_sharded_attention_is_context_parallel(causal):
+    """Query, key and value sharded along the sequence over "x" (and the batch over "y"): each device attends its
+    own query rows to the gathered keys and values — an all-gather of each in forward (again in backward), the
+    output and the query's gradient sharded as the query, the key's and value's gradients reduce-scattered."""
+    layout = spmd.Layout(["y", spmd.UNSHARDED, "x", spmd.UNSHARDED], MESH)
+    plain = [t.clone().requires_grad_() for t in QKV]
+    q, k, v = (distribute(t, layout).requires_grad_() for t in QKV)
+    out, forward = issued(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
+    _, backward = issued(lambda: out.sum().backward())
+    assert forward == [("all_gather", ("x",))] * 2
+    assert backward == [("all_gather", ("x",))] * 2 + [("reduce_scatter", ("x",))] * 2
+    want = F.scaled_dot_product_attention(*plain, is_causal=causal)
+    want.sum().backward()
+    assert spmd.fetch_layout(out) == layout and all(spmd.fetch_layout(t.grad) == layout for t in (q, k, v))
+    torch.testing.assert_close(spmd.to_global(out), want)
+    for got, expected in zip((q, k, v), plain):
+        torch.testing.assert_close(spmd.to_global(got.grad), expected.grad)

@@ -1,5 +1,5 @@
 """Neural-network ops: layer, batch and group norm, embedding and embedding bags, negative log-likelihood,
-attention, pairwise distances (and their backward ops).
+pairwise distances (and their backward ops).
 
 Each works on stacked components `(L, *local)`; where an op would sum over its leading axes (a weight
 gradient), the sum is taken per device and then all-reduced over the mesh dims that shard those axes.
@@ -14,7 +14,7 @@ import torch
 from spmd.collectives import Collective, Kind
 from spmd.engine.registry import register
 from spmd.engine.decision import Decision, OpCall, TensorSpec, unsupported
-from spmd.engine.rules.common import (REDUCED_PRECISION, block_starts, check_in_range, constant, named_tensors,
+from spmd.engine.rules.common import (REDUCED_PRECISION, block_starts, check_in_range, constant,
                                       per_device, replace_tensors, shard_starts)
 from spmd.engine.rules.pointwise import merge_axes
 from spmd.engine.rules.reduction import arg
@@ -322,89 +322,6 @@ def nll_loss_backward_rule(call: OpCall) -> Decision:
         c = 2 if xl.dim() > 2 else 1
         return rows.view(xl.movedim(c, -1).shape).movedim(-1, c).contiguous()
     return Decision(inputs, (x_axes,), kernel)
-
-
-# -- fused attention --------------------------------------------------------------------------------------------
-# Every fused attention kernel torch's scaled_dot_product_attention may pick, with its backward: op -> the rank of
-# its logsumexp (forward ops; cuDNN's keeps a trailing axis of 1) or None (backward ops: one gradient per q, k, v
-# and, for the memory-efficient kernel, the bias)
-_FUSED_ATTENTION = {
-    aten._scaled_dot_product_flash_attention_for_cpu.default: 3,
-    aten._scaled_dot_product_flash_attention.default: 3,
-    aten._scaled_dot_product_efficient_attention.default: 3,
-    aten._scaled_dot_product_cudnn_attention.default: 4,
-    aten._scaled_dot_product_flash_attention_for_cpu_backward.default: None,
-    aten._scaled_dot_product_flash_attention_backward.default: None,
-    aten._scaled_dot_product_efficient_attention_backward.default: None,
-    aten._scaled_dot_product_cudnn_attention_backward.default: None,
-}
-_PER_HEAD = {"query", "key", "value", "grad_out", "grad_out_", "out", "logsumexp"}  # (B, H, ...) operands
-_MASKS = {"attn_mask", "attn_bias"}  # broadcast to (B, H, L, S); anything else (a seed, an offset) is one value
-
-
-def _batch_and_heads(specs) -> tuple:
-    """The mesh dims of the batch and head axes: each operand's, merged (the first operand that shards one wins)."""
-    batch = [None, None]
-    for s in specs:
-        for i in (0, 1):
-            if batch[i] is None and s.axes[i] not in batch:
-                batch[i] = s.axes[i]
-    return tuple(batch)
-
-
-@register(*_FUSED_ATTENTION, blockwise=True)
-def attention_rule(call: OpCall) -> Decision:
-    """Attention (B, H, L|S, E) and its backward: each (batch, head) is independent, so those axes keep their
-    sharding (merged over the operands, first wins); sequence and embedding axes are whole on each device. A mask
-    is broadcast to (B, H, L, S) and sharded like the batch axes. The kernel runs once on every device's
-    components together (stack and batch axes flattened into one batch), so a seed or an offset it returns is
-    one plain value, which its backward takes back."""
-    if arg(call, "dropout_p", 0.0):
-        raise unsupported(call, "a fused kernel's attention dropout would not be layout-invariant; run attention "
-                                "with dropout under torch.nn.attention.sdpa_kernel(SDPBackend.MATH), whose "
-                                "dropout is layout-invariant")
-    if arg(call, "return_debug_mask", False) or any(arg(call, "grad_input_mask", (False,) * 4)[3:]):
-        raise unsupported(call, "the attention weights' debug mask and a mask's gradient are not supported")
-    named = named_tensors(call)
-    batch = _batch_and_heads([s for n, s in named if n in _PER_HEAD])
-    query, key = arg(call, "query"), arg(call, "key")
-    full = query.shape[:3] + (key.shape[2],)  # (B, H, L, S)
-    required = []
-    for n, s in named:
-        if n in _PER_HEAD:
-            required.append(batch + (None,) * (s.rank - 2))
-        elif n in _MASKS:
-            lead = 4 - s.rank  # the mask's axes line up with the last of (B, H, L, S); sized-1 ones broadcast
-            required.append(tuple(batch[j + lead] if j + lead < 2 and s.shape[j] == full[j + lead] else None
-                                  for j in range(s.rank)))
-            mask_view = (call.num_local,) + (1,) * lead + call.local_shape(s, required[-1])
-            mask_full = (call.num_local,) + call.local_shape(full, batch + (None, None))
-        else:
-            required.append((None,) * s.rank)
-    lse_rank = _FUSED_ATTENTION[call.func]
-    if lse_rank is None:  # the gradients of query, key, value: their layouts
-        by_name = dict(zip((n for n, _ in named), required))
-        outputs = tuple(by_name[n] for n in ("query", "key", "value"))
-        outputs += (None,) * (len(call.func._schema.returns) - 3)
-    else:  # without compute_log_sumexp (no gradient needed) the logsumexp is empty or undefined: left plain
-        lse = batch + (None,) * (lse_rank - 2) if arg(call, "compute_log_sumexp", True) else None
-        outputs = (batch + (None, None), lse) + (None,) * (len(call.func._schema.returns) - 2)
-    kinds = ["head" if n in _PER_HEAD else "mask" if n in _MASKS else "one" for n, _ in named]
-    masked = "mask" in kinds  # (its views are shaped by the batch axes' blocks)
-
-    def local(x, kind):
-        if kind == "head":  # (stack * B, H, ...): the kernels want 4-D operands, and (as torch's own front end
-            x = x.flatten(0, 1)  # gives them) a last dim of stride 1: a gathered head dim may not have it
-            return x if x.stride(-1) == 1 else x.contiguous()
-        return x.view(mask_view).expand(mask_full).flatten(0, 1) if kind == "mask" else x[0]
-
-    def kernel(l, a, k):
-        stack, b = l[0].shape[:2]
-        args, kwargs = replace_tensors(a, k, [local(x, kind) for x, kind in zip(l, kinds)])
-        outs = call.func(*args, **kwargs)
-        return tuple(o if axes is None else o.unflatten(0, (stack, b)) for o, axes in zip(outs, outputs))
-    return Decision(tuple(required), outputs, kernel, single=False,
-                    fixed=tuple(m for m in batch if m is not None) if masked else ())
 
 
 # -- batch norm ------------------------------------------------------------------------------------------------------
