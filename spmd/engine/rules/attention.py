@@ -56,10 +56,12 @@ def _batch_and_heads(specs) -> tuple:
 @register(*_FUSED_ATTENTION, blockwise=True)
 def attention_rule(call: OpCall) -> Decision:
     """Attention (B, H, L|S, E) and its backward: each (batch, head) is independent, so those axes keep their
-    sharding (merged over the operands, first wins); sequence and embedding axes are whole on each device. A mask
-    is broadcast to (B, H, L, S) and sharded like the batch axes. The kernel runs once on every device's
-    components together (stack and batch axes flattened into one batch), so a seed or an offset it returns is
-    one plain value, which its backward takes back."""
+    sharding (merged over the operands, first wins); sequence and embedding axes are whole on each device, except
+    the query's rows on the kernels of `_ROWS_SHARDABLE` (each row is independent too: the keys' and values'
+    gradients are then the devices' sums). A mask is broadcast to (B, H, L, S) and sharded like the batch axes
+    and the query's rows. The kernel runs once on every device's components together (stack and batch axes
+    flattened into one batch), so a seed or an offset it returns is one plain value, which its backward takes
+    back."""
     if arg(call, "dropout_p", 0.0):
         raise unsupported(call, "a fused kernel's attention dropout would not be layout-invariant; run attention "
                                 "with dropout under torch.nn.attention.sdpa_kernel(SDPBackend.MATH), whose "
