@@ -101,11 +101,12 @@ def _check_sharded(experts: nn.Module, mesh_dim: str):
         raise TypeError(f"expert_parallel: the parameters of {type(experts).__name__} must be DTensors sharded over "
                         f"{mesh_dim!r} along dim 0; distribute the model first (spmd.distribute_module with a layout "
                         f"map giving them [{mesh_dim!r}, UNSHARDED, ...])")
-    mesh = next(iter(params.values()))._layout.mesh
+    first = next(iter(params.values()))
+    mesh = first._layout.mesh
     if mesh_dim not in mesh.dim_names:
         raise LayoutError(f"expert_parallel: the mesh has no dimension {mesh_dim!r}; its dimensions are "
                           f"{mesh.dim_names}")
-    count = getattr(experts, "num_experts", next(iter(params.values())).shape[0])
+    count = getattr(experts, "num_experts", first.shape[0])
     for name, p in params.items():
         layout = p._layout
         if layout.mesh != mesh or p.shape[0] != count or layout.axes[0] != mesh_dim or \
@@ -126,16 +127,16 @@ class _ExpertParallel:
         self.count, self.capacity_factor = count, capacity_factor
         self.shards = math.prod(mesh.dim_size(d) for d in token_dims)  # (of the tokens)
         senders = _axis(token_dims)
-        self.rows = Layout([senders, U], mesh)
+        rows = Layout([senders, U], mesh)
         self.sent = Layout([senders, U, U, U], mesh)  # [senders, experts, capacity, h]: a sender's slots
         # the same, each expert's slots on its device (the senders along mesh_dim moved to the experts' axis)
         self.received = Layout([_axis(tuple(d for d in token_dims if d != mesh_dim)), mesh_dim, U, U], mesh)
-        self.counts = local_map(functools.partial(_tokens_per_expert, count=count), out_layouts=self.rows,
-                                in_layouts=(self.rows,))
+        self.counts = local_map(functools.partial(_tokens_per_expert, count=count), out_layouts=rows,
+                                in_layouts=(rows,))
         self.run_experts = local_map(_LocalExperts(experts, experts.forward), out_layouts=self.received)
-        self.dispatch = local_map(functools.partial(_to_slots, count=count), out_layouts=(self.sent, self.rows),
-                                  in_layouts=(self.rows, self.rows, None))
-        self.combine = local_map(_from_slots, out_layouts=self.rows, in_layouts=(self.sent, self.rows, self.rows))
+        self.dispatch = local_map(functools.partial(_to_slots, count=count), out_layouts=(self.sent, rows),
+                                  in_layouts=(rows, rows, None))
+        self.combine = local_map(_from_slots, out_layouts=rows, in_layouts=(self.sent, rows, rows))
 
     def __call__(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         room = torch.empty(0, self._capacity(hidden.shape[0], top_k_index))  # (its shape: the slots per expert)
@@ -208,10 +209,10 @@ class _LocalExperts(nn.Module):
 def _device_experts(experts: nn.Module, count: int):
     """For a call: `experts.num_experts` (which HuggingFace's forwards read) set to the experts a device holds, and
     HuggingFace's `_is_expert_parallel` (its forwards then skip the ids from `num_experts` on) to True."""
-    saved = {name: getattr(experts, name) for name in ("num_experts", "_is_expert_parallel") if hasattr(experts, name)}
-    for name, value in (("num_experts", count), ("_is_expert_parallel", True)):
-        if name in saved:
-            setattr(experts, name, value)
+    during = {"num_experts": count, "_is_expert_parallel": True}
+    saved = {name: getattr(experts, name) for name in during if hasattr(experts, name)}
+    for name in saved:
+        setattr(experts, name, during[name])
     try:
         yield
     finally:

@@ -7,7 +7,7 @@ import torch
 
 from spmd.engine.registry import register
 from spmd.engine.decision import Decision, OpCall, unsupported
-from spmd.engine.rules.common import named_tensors, replace_tensors, shard_starts
+from spmd.engine.rules.common import block_starts, constant, named_tensors, replace_tensors
 from spmd.engine.rules.reduction import arg
 
 aten = torch.ops.aten
@@ -108,13 +108,13 @@ def attention_rule(call: OpCall) -> Decision:
 
     causal = rows is not None and arg(call, "is_causal", False)
     if causal:  # each device's rows start at its offset: the causal mask is its own (is_causal is top-left)
-        starts = shard_starts(call, rows, call.local_shape(full, scores)[2], 4)
+        mask = constant(lambda: _offset_causal_mask(call, rows, call.local_shape(full, scores), query.dtype))
 
     def kernel(l, a, k):
         stack, b = l[0].shape[:2]
         args, kwargs = replace_tensors(a, k, [local(x, kind) for x, kind in zip(l, kinds)])
         if causal:
-            args, kwargs = _offset_causal(call, args, kwargs, starts(l[0]), stack * b)
+            args, kwargs = _masked_not_causal(call, args, kwargs, mask(l[0]))
         outs = call.func(*args, **kwargs)
         return tuple(o if axes is None else o.unflatten(0, (stack, b)) for o, axes in zip(outs, outputs))
     fixed = tuple(m for m in batch if m is not None) if masked else ()
@@ -122,18 +122,20 @@ def attention_rule(call: OpCall) -> Decision:
                     fixed=fixed + ((rows,) if causal else ()))
 
 
-def _offset_causal(call: OpCall, args: tuple, kwargs: dict, starts: torch.Tensor, batch: int):
-    """A causal attention's arguments on each device's query rows: `is_causal` off and, as `attn_mask`, the mask
-    of those rows at their global positions (`starts`: each device's first row, shaped (L, 1, 1, 1, 1); `batch`:
-    the local operands' flattened stack and batch axes)."""
-    names = [a.name for a in call.func._schema.arguments]
-    query, key = args[names.index("query")], args[names.index("key")]
-    rows, cols = query.shape[2], key.shape[2]
-    row = torch.arange(rows, device=query.device).view(rows, 1) + starts
-    allowed = torch.arange(cols, device=query.device) <= row  # (L, 1, 1, rows, cols)
-    mask = torch.zeros((), dtype=query.dtype, device=query.device).masked_fill(~allowed, float("-inf"))
-    mask = mask.expand(starts.shape[0], batch // starts.shape[0], 1, rows, cols).flatten(0, 1)  # (the kernel's
-    at = names.index("is_causal")  # masks are additive, of the query's dtype)
+def _offset_causal_mask(call: OpCall, rows: str, local: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """The causal mask of each device's query rows at their global positions (`rows`: their mesh dim; `local`: the
+    local (B, H, L, S)), additive and of the query's dtype as the kernel wants it: (stack * B, 1, L, S)."""
+    batch, _, n_rows, n_cols = local
+    device = call.mesh.torch_device
+    starts = torch.tensor(block_starts(call, rows, n_rows), device=device).view(-1, 1, 1, 1, 1)
+    allowed = torch.arange(n_cols, device=device) <= torch.arange(n_rows, device=device).view(n_rows, 1) + starts
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
+    return mask.expand(call.num_local, batch, 1, n_rows, n_cols).flatten(0, 1)
+
+
+def _masked_not_causal(call: OpCall, args: tuple, kwargs: dict, mask: torch.Tensor):
+    """The kernel's arguments with `is_causal` off and `mask` as its `attn_mask`."""
+    at = [a.name for a in call.func._schema.arguments].index("is_causal")
     if at < len(args):
         return args[:at] + (False,) + args[at + 1:], dict(kwargs, attn_mask=mask)
     return args, dict(kwargs, is_causal=False, attn_mask=mask)
