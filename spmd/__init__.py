@@ -24,6 +24,7 @@ from spmd.function_mode import Function, function
 from spmd.interop import from_jax_array, from_torch_dtensor, to_jax_array, to_torch_dtensor
 from spmd.local_functions import axis_index, local_map
 from spmd.experts import expert_parallel
+from spmd.custom_ops import register_sharding
 from spmd import chunked_losses  # noqa: F401  (torch's chunked loss at reduction 'none', per device)
 from spmd.buckets import no_sync
 from spmd.nn import LayoutMap, Strategy, distribute_module
@@ -47,5 +48,5 @@ __all__ = [
     "job_name", "local_devices", "num_local_devices", "num_global_devices", "create_distributed_mesh", "barrier",
     "CheckpointError", "CollectiveError", "function", "Function", "Explanation", "CollectiveRecord", "TraceError",
     "Controller", "interop", "to_torch_dtensor", "from_torch_dtensor", "to_jax_array", "from_jax_array",
-    "local_map", "axis_index", "expert_parallel",
+    "local_map", "axis_index", "expert_parallel", "register_sharding",
 ]

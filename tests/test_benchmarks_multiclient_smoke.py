@@ -1,13 +1,13 @@
-"""Keeps benchmarks/bench_multiclient.py, bench_fsdp.py and bench_moe.py from rotting: their main() runs end to end
+"""Keeps benchmarks/bench_multiclient.py, bench_fsdp.py, bench_moe.py and bench_custom_ops.py from rotting: their main() runs end to end
 with `--quick` (2 real client processes, gloo, a hard timeout). No timing is asserted; only that every case runs, the
 values of every relayout agree across spmd, raw torch.distributed and torch DT, spmd's training losses equal DDP's,
 sharded parameters hold half the state of replicated ones with the same losses, and experts under `local_map`
-gather no tokens."""
+gather no tokens, and a custom op with a sharding rule moves nothing."""
 
 import pytest
 import torch
 
-from benchmarks import bench_fsdp, bench_moe, bench_multiclient
+from benchmarks import bench_custom_ops, bench_fsdp, bench_moe, bench_multiclient
 
 
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
@@ -50,3 +50,15 @@ def test_bench_moe_quick(tmp_path):
     # expert parallel: 2 layers x (there, back) x (forward, backward), and half the experts' weights per client
     assert data["collectives"]["spmd_ep"] == {"all_reduce": 3, "all_to_all": 8}
     assert data["parameters_per_client"]["spmd_ep"] < data["parameters_per_client"]["ddp"]
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
+def test_bench_custom_ops_quick(tmp_path):
+    data = bench_custom_ops.main(["--quick", "--out", str(tmp_path)])
+    assert (tmp_path / "custom_ops.md").exists()
+    assert set(data["results"]) == set(bench_custom_ops._ROWS)
+    assert all("error" not in r for r in data["results"].values()), data["results"]
+    # a declared rule moves nothing; the replicated fallback gathers the activation
+    for where in ("8", "2"):
+        assert list(data["moved"]["rule" + where]) == list(data["moved"]["local_map" + where]) == [0, 0]
+        assert data["moved"]["fallback" + where][0] == 1

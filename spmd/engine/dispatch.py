@@ -244,6 +244,13 @@ def _multi_tensor(func, args, kwargs):
     return _recorded(func, tensors, lambda: foreach.run(func, args, kwargs))
 
 
+def forget(func) -> None:
+    """Drops what the dispatcher cached about `func` (how it runs, its plans): it has a new rule."""
+    _FLOAT_BLIND.pop(id(func), None)
+    for key in [k for k in _CACHE if k[0] == id(func)]:
+        del _CACHE[key]
+
+
 def _miss(key, func, args, kwargs, tensors) -> _Plan:
     _STATS["misses"] += 1
     if len(_CACHE) >= _CACHE_LIMIT:  # shapes that keep changing must not grow the cache forever
