@@ -287,3 +287,19 @@ def test_a_contraction_costs_what_its_rule_implies(a_specs, b_specs, collectives
     c, got = issued(lambda: matmul(a, b))
     assert got == collectives and spmd.fetch_layout(c) == Layout(out, MESH) and c._pending == pending
     torch.testing.assert_close(spmd.to_global(c), rand(4, 6) @ rand(6, 2, seed=1))
+
+
+def test_an_optional_tensor_given_none_skips_its_term_and_a_changed_float_is_read_at_each_call():
+    @torch.library.custom_op("spmd_test::affine", mutates_args=())
+    def affine(x: torch.Tensor, bias: torch.Tensor | None, scale: float) -> torch.Tensor:
+        return x * scale + (0 if bias is None else bias)
+    spmd.register_sharding(affine, "... h, h -> ... h")
+    x, b = rand(4, 6), rand(6, seed=1)
+    dx = spmd.copy_to_mesh(x, Layout(["x", "y"], MESH))
+    for scale in (0.5, 2.0):
+        out, got = issued(lambda: affine(dx, None, scale))
+        assert got == [] and spmd.fetch_layout(out) == Layout(["x", "y"], MESH)
+        torch.testing.assert_close(spmd.to_global(out), x * scale)
+    out, got = issued(lambda: affine(dx, spmd.copy_to_mesh(b, Layout([U], MESH)), 2.0))
+    assert got == []
+    torch.testing.assert_close(spmd.to_global(out), x * 2.0 + b)
