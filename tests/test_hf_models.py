@@ -93,6 +93,34 @@ def test_trains_unchanged_like_plain_torch(mesh, build, attn, shard_parameters):
         assert spmd.fetch_layout(p) == mapped, name
 
 
+@pytest.mark.parametrize("reentrant, shard_parameters", [(False, None), (True, None), (False, "batch")])
+def test_activation_checkpointing_recomputes_each_layer_with_the_same_dropout(mesh, reentrant, shard_parameters):
+    """`gradient_checkpointing_enable()` (torch.utils.checkpoint): each layer's forward runs again in backward —
+    dropout drawing the same values, sharded parameters gathered again — so the loss and gradients equal those of
+    the same model without checkpointing."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
+                                      max_position_embeddings=32, attn_implementation="eager", attention_dropout=0.3)
+    model = spmd.distribute_module(transformers.LlamaForCausalLM(config), mesh, LayoutMap(LLAMA_LAYOUTS),
+                                   shard_parameters=shard_parameters)
+    stored = copy.deepcopy(model)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    calls = []
+    model.model.layers[0].self_attn.register_forward_pre_hook(lambda *_: calls.append(1))
+    ids = spmd.copy_to_mesh(torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(1)),
+                            Layout(["batch", U], mesh))
+    losses = []
+    for m in (model, stored):
+        torch.manual_seed(5)
+        losses.append(m(input_ids=ids, labels=ids).loss)
+        losses[-1].backward()
+    assert len(calls) == 2  # the forward, and its recomputation in backward
+    assert losses[0].item() == losses[1].item()
+    for (name, p), q in zip(model.named_parameters(), stored.parameters()):
+        _close(spmd.to_global(p.grad), spmd.to_global(q.grad), name)
+
+
 def _bert(attn):
     config = transformers.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
                                      vocab_size=64, max_position_embeddings=32, hidden_dropout_prob=0.0,
