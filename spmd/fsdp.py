@@ -22,16 +22,24 @@ parameter changed in place since (an optimizer step) is gathered again. Every cl
 the same order, so collectives stay matched.
 
 Peak memory is then the shards plus the gathered parameters of the units in flight (this one and the next).
+
+Mixed precision (`mp_policy`, torch FSDP2's `MixedPrecisionPolicy`): a shard is cast to `param_dtype` before its
+gather (half the bytes for bfloat16), so the module computes in it, each unit's floating inputs are cast to it too
+(`cast_forward_inputs`); in backward each device's partial gradient is cast to `reduce_dtype` before the
+reduce-scatter (the sum is taken in it), then to the parameter's own dtype: parameters, gradients and optimizer
+state stay in theirs (float32 masters).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import weakref
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from spmd import explain
 from spmd.api import relayout
@@ -66,10 +74,44 @@ def sharded_layout(layout: Layout, shape: tuple[int, ...], mesh_dim: str) -> Lay
     return Layout.from_axes(axes, mesh)
 
 
+class Precision(NamedTuple):
+    """The dtypes of a mixed-precision policy (FSDP2's `MixedPrecisionPolicy`; None: the parameter's own)."""
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    output_dtype: torch.dtype | None = None
+    cast_forward_inputs: bool = True
+
+    @classmethod
+    def of(cls, policy) -> Precision | None:
+        """`policy` (torch's `MixedPrecisionPolicy`, or anything with its attributes) as a Precision; None for None."""
+        if policy is None:
+            return None
+        try:
+            fields = {name: getattr(policy, name) for name in cls._fields}
+        except AttributeError as e:
+            raise TypeError(f"mp_policy takes torch.distributed.fsdp.MixedPrecisionPolicy(param_dtype=..., "
+                            f"reduce_dtype=...), not {type(policy).__name__}: {e}") from None
+        for name in cls._fields[:3]:
+            if fields[name] is not None and not (isinstance(fields[name], torch.dtype)
+                                                 and fields[name].is_floating_point):
+                raise TypeError(f"mp_policy.{name} must be a floating dtype or None, not {fields[name]!r}")
+        return cls(**fields)
+
+    def compute_dtype(self, param: DTensor) -> torch.dtype:
+        return self.param_dtype if self.param_dtype is not None and param.is_floating_point() else param.dtype
+
+    def cast(self, value, dtype: torch.dtype | None):
+        """Every floating tensor in `value` (nested args, outputs) cast to `dtype`."""
+        if dtype is None:
+            return value
+        return pytree.tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, value)
+
+
 class _Regather(NamedTuple):
     """A saved view of a gathered parameter, kept as what gathers it again (see the module's docstring, 3.)."""
     param: DTensor
     layout: Layout  # the compute layout the parameter is gathered to
+    dtype: torch.dtype  # and the dtype
     view_layout: Layout  # the saved tensor's own layout, size, strides and offset into the gathered components
     size: tuple
     stride: tuple
@@ -77,8 +119,10 @@ class _Regather(NamedTuple):
 
 
 _UNITS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> its _Unit
-_ROOTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # distributed module -> its forward-start hook
-_LIVE: dict[int, tuple] = {}  # storage address of gathered components in use -> (param, compute layout, offset)
+# distributed module -> its hooks: the forward-start one (and the outputs' cast of a mixed-precision policy)
+_ROOTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# storage address of gathered components in use -> (param, compute layout, compute dtype, offset)
+_LIVE: dict[int, tuple] = {}
 _LAST: list = [None]  # the unit that gathered last in the current forward of a distributed module
 
 
@@ -87,8 +131,8 @@ def _pack(saved: torch.Tensor):
         stack = saved._stack
         live = _LIVE.get(stack.untyped_storage().data_ptr())
         if live is not None:
-            param, layout, base = live
-            return _Regather(param, layout, saved._layout, tuple(stack.shape), stack.stride(),
+            param, layout, dtype, base = live
+            return _Regather(param, layout, dtype, saved._layout, tuple(stack.shape), stack.stride(),
                              stack.storage_offset() - base)
     return saved
 
@@ -97,32 +141,53 @@ def _unpack(saved):
     if type(saved) is not _Regather:
         return saved
     with torch.no_grad():
-        stack = relayout(saved.param.detach(), saved.layout)._stack
+        stack = relayout(saved.param.detach().to(saved.dtype), saved.layout)._stack
     return make(stack.as_strided(saved.size, saved.stride, stack.storage_offset() + saved.offset), saved.view_layout)
 
 
 class _Gathered(torch.autograd.Function):
-    """A parameter's components gathered ahead (a prefetch) as the gathered DTensor; backward is relayout's."""
+    """A parameter's components gathered in `dtype` (`stack`: ahead, by a prefetch; None: now) as the gathered
+    DTensor. Backward is relayout's, each device's partial gradient first cast to `reduce_dtype` (None: as it is)."""
 
     @staticmethod
-    def forward(ctx, param: DTensor, stack: torch.Tensor, layout: Layout):
-        ctx.source = param._layout
+    def forward(ctx, param: DTensor, stack: torch.Tensor | None, layout: Layout, dtype: torch.dtype,
+                reduce_dtype: torch.dtype | None):
+        ctx.source, ctx.dtype, ctx.reduce_dtype = param._layout, param.dtype, reduce_dtype
+        if stack is None:
+            return relayout(param.to(dtype), layout)
         return make(stack, layout)
 
     @staticmethod
     def backward(ctx, grad):
-        return relayout(grad, ctx.source), None, None
+        if ctx.reduce_dtype is not None and grad.dtype != ctx.reduce_dtype:
+            grad = DTensor(grad._stack.to(ctx.reduce_dtype), grad._layout, grad.shape, pending=grad._pending,
+                           pending_op=grad._pending_op)  # (each partial sum cast: the sum is taken in the new dtype)
+        return relayout(grad, ctx.source).to(ctx.dtype), None, None, None, None
 
 
-def _start_gather(param: DTensor, layout: Layout):
-    """The all-gather of `param` to `layout` in flight, or None where it is not one asynchronous call."""
+def _gatherer(param: DTensor, layout: Layout, precision: Precision | None) -> Callable[[DTensor], DTensor]:
+    """What gathers `param` to `layout` before its unit's forward: its relayout, or the cast one of a mixed-precision
+    policy — one node for Dynamo, which AOTAutograd traces through (Dynamo cannot build its backward's DTensor)."""
+    if precision is None:
+        return functools.partial(relayout, layout=layout)
+    dtype, reduce_dtype = precision.compute_dtype(param), precision.reduce_dtype
+
+    def gather(p: DTensor) -> DTensor:
+        return _Gathered.apply(p, None, layout, dtype, reduce_dtype)
+    torch.compiler.allow_in_graph(gather)
+    return gather
+
+
+def _start_gather(param: DTensor, layout: Layout, dtype: torch.dtype):
+    """The all-gather of `param` in `dtype` to `layout` in flight, or None where it is not one asynchronous call."""
     steps = planner.plan_on(layout.mesh, param._layout.axes, layout.axes)
     if len(steps) != 1 or steps[0].kind is not Kind.ALL_GATHER:
         return None
     start = getattr(backend_for(layout.mesh), "all_gather_async", None)
-    handle = start and start(param._stack, layout.mesh, steps[0].mesh_dims[0], steps[0].axis)
+    stack = param._stack.to(dtype)
+    handle = start and start(stack, layout.mesh, steps[0].mesh_dims[0], steps[0].axis)
     if handle is not None and explain.RECORDERS:
-        explain.collective(Kind.ALL_GATHER, steps[0].mesh_dims, param._stack)
+        explain.collective(Kind.ALL_GATHER, steps[0].mesh_dims, stack)
     return handle
 
 
@@ -137,39 +202,45 @@ class _Unit:
     """The hooks of one module that owns sharded parameters: gather before its forward (or take what the unit
     before it prefetched), start the next unit's gathers, put the parameters back after."""
 
-    def __init__(self, module: nn.Module, params: dict[str, tuple[DTensor, Layout]]):
+    def __init__(self, module: nn.Module, params: dict[str, tuple[DTensor, Layout]], precision: Precision | None):
         self.params = params
+        self.precision = precision
+        self.gatherers = {name: _gatherer(param, layout, precision) for name, (param, layout) in params.items()}
         self.next: _Unit | None = None  # the unit whose forward came next, learned in the first forward
         self.prefetched: dict[str, tuple] = {}  # name -> (gather in flight, the parameter's version then)
         self.frames: list[_Frame] = []  # per forward in flight (a unit may run again inside itself)
-        self.handles = [module.register_forward_pre_hook(self.gather),
+        self.handles = [module.register_forward_pre_hook(self.gather, with_kwargs=True),
                         module.register_forward_hook(self.release, always_call=True)]
 
     def remove(self) -> None:
         for handle in self.handles:
             handle.remove()
 
-    def gather(self, module: nn.Module, args) -> None:
+    def gather(self, module: nn.Module, args, kwargs):
         # traced by spmd.function, the compiled graph decides what backward keeps (no saved-tensor hooks there)
         # and schedules its collectives itself (no prefetch)
         compiling = torch.compiler.is_compiling()
         track = torch.is_grad_enabled() and not compiling
         frame = _Frame([], None)  # pushed first: `release` runs even when this raises
         self.frames.append(frame)
+        precision = self.precision
         for name, (param, layout) in self.params.items():
             gathered = self._take(name, param, layout)
             if gathered is None:
-                gathered = relayout(param, layout)
+                gathered = self.gatherers[name](param)
             module._parameters[name] = gathered  # not a Parameter: seen under the name during this forward only
             stack = gathered._stack if track else None  # (a traced DTensor's components: not Dynamo's to read)
             if track and stack is not param._stack and (stack.is_contiguous() or shared(stack)):
                 frame.live.append(stack.untyped_storage().data_ptr())
-                _LIVE[frame.live[-1]] = (param, layout, stack.storage_offset())
+                _LIVE[frame.live[-1]] = (param, layout, gathered.dtype, stack.storage_offset())
         if track:
             frame.hooks = torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
             frame.hooks.__enter__()
         if not compiling:
             self._chain()
+        if precision is not None and precision.cast_forward_inputs:
+            return precision.cast((args, kwargs), precision.param_dtype)
+        return None
 
     def _take(self, name: str, param: DTensor, layout: Layout) -> DTensor | None:
         """The prefetched gather of `name`, if one is in flight and the parameter has not changed since."""
@@ -177,7 +248,10 @@ class _Unit:
         if handle is None:
             return None
         stack = handle.wait()  # also when stale: every client finishes the collective it started
-        return _Gathered.apply(param, stack, layout) if version == param._version else None
+        if version != param._version:
+            return None
+        precision = self.precision or Precision()
+        return _Gathered.apply(param, stack, layout, stack.dtype, precision.reduce_dtype)
 
     def _chain(self) -> None:
         """Learns which unit follows the last one, and prefetches the one that follows this one."""
@@ -188,7 +262,7 @@ class _Unit:
         after = self.next
         if after is not None and not after.prefetched:
             for name, (param, layout) in after.params.items():
-                handle = _start_gather(param, layout)
+                handle = _start_gather(param, layout, (after.precision or Precision()).compute_dtype(param))
                 if handle is not None:
                     after.prefetched[name] = (handle, param._version)
 
@@ -206,9 +280,9 @@ def _forward_starts(module: nn.Module, args) -> None:
     _LAST[0] = None  # a unit's successor is learned within one forward of the distributed module
 
 
-def gather_on_use(module: nn.Module, compute_layouts: dict[int, Layout]) -> None:
+def gather_on_use(module: nn.Module, compute_layouts: dict[int, Layout], precision: Precision | None = None) -> None:
     """Registers a `_Unit` on every submodule owning parameters whose layout differs from their compute layout
-    (`compute_layouts`: id of the parameter -> the layout its name maps to)."""
+    (`compute_layouts`: id of the parameter -> the layout its name maps to), gathering them in `precision`."""
     for sub in module.modules():
         old = _UNITS.pop(sub, None)
         if old is not None:
@@ -216,12 +290,15 @@ def gather_on_use(module: nn.Module, compute_layouts: dict[int, Layout]) -> None
         params = {name: (p, compute_layouts[id(p)]) for name, p in sub._parameters.items()
                   if p is not None and id(p) in compute_layouts and p._layout != compute_layouts[id(p)]}
         if params:
-            _UNITS[sub] = _Unit(sub, params)
+            _UNITS[sub] = _Unit(sub, params, precision)
     sharded = any(sub in _UNITS for sub in module.modules())
-    if sharded and module not in _ROOTS:  # (a module without sharded parameters gets no hook on its forward)
-        _ROOTS[module] = module.register_forward_pre_hook(_forward_starts, prepend=True)
-    elif not sharded and module in _ROOTS:
-        _ROOTS.pop(module).remove()
+    for hook in _ROOTS.pop(module, ()):
+        hook.remove()
+    if sharded:  # (a module without sharded parameters gets no hook on its forward)
+        _ROOTS[module] = [module.register_forward_pre_hook(_forward_starts, prepend=True)]
+        if precision is not None and precision.output_dtype is not None:
+            _ROOTS[module].append(module.register_forward_hook(
+                lambda m, args, out: precision.cast(out, precision.output_dtype)))
 
 
-__all__ = ["sharded_layout", "gather_on_use"]
+__all__ = ["Precision", "sharded_layout", "gather_on_use"]

@@ -30,7 +30,7 @@ from spmd.creation import empty, zeros
 from spmd.data import DTensorDataset
 from spmd.dtensor import DTensor
 from spmd.errors import IndivisibleError, LayoutError, MixedTensorError
-from spmd.fsdp import gather_on_use, sharded_layout
+from spmd.fsdp import Precision, gather_on_use, sharded_layout
 from spmd.layout import UNSHARDED, Layout
 from spmd.mesh import Mesh
 from spmd.scope import EAGER_IMPLICIT_REPLICATION, default_mesh, implicit_replication, replicates_plain
@@ -223,7 +223,8 @@ def _set(places, value, kind: str) -> None:
 
 def distribute_module(module: nn.Module, mesh: Mesh, layout_map=None,
                       init_fn: Callable[[str, DTensor], Any] | None = None, *,
-                      bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB, shard_parameters: str | None = None) -> nn.Module:
+                      bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB, shard_parameters: str | None = None,
+                      mp_policy=None) -> nn.Module:
     """Distributes `module` in place: parameters become `DVariable`s, buffers DTensors; returns `module`.
 
     Every parameter takes the layout `layout_map` maps its name to (see `LayoutMap`; a dict works too), or is
@@ -275,7 +276,9 @@ def distribute_module(module: nn.Module, mesh: Mesh, layout_map=None,
     first unsharded axis that divides (else as the minor mesh dim of a sharded one; else it stays as mapped), so
     parameters, gradients and optimizer state take 1/N of the memory per device; each submodule gathers its own
     parameters to their mapped layouts just before its forward and frees them after, gathering again in backward;
-    gradients are reduce-scattered onto the shards.
+    gradients are reduce-scattered onto the shards. `mp_policy` (torch's FSDP2 `MixedPrecisionPolicy`) gathers them
+    in its `param_dtype` and reduce-scatters gradients in its `reduce_dtype`; parameters, gradients and optimizer
+    state keep their own dtype.
 
     Nothing is modified when a layout is invalid: every layout is checked before the first tensor moves.
     """
@@ -288,6 +291,10 @@ def distribute_module(module: nn.Module, mesh: Mesh, layout_map=None,
     buffers = _plan(module, mesh, layout_map, "buffer")
     _warn_unmatched(layout_map, module, params + buffers)
     compute_layouts = [layout for _, _, layout in params]
+    precision = Precision.of(mp_policy)
+    if precision is not None and shard_parameters is None:
+        raise ValueError("mp_policy is FSDP's mixed precision: it takes effect where parameters are gathered, with "
+                         "shard_parameters=<the batch mesh dim>; for data parallelism, use torch.autocast")
     if shard_parameters is not None:
         params = [(t, places, sharded_layout(layout, tuple(t.shape), shard_parameters))
                   for t, places, layout in params]
@@ -329,7 +336,7 @@ def distribute_module(module: nn.Module, mesh: Mesh, layout_map=None,
                 value = copy_to_mesh(tensor.detach(), layout)
             _set(places, value, "buffer")
     _forwards_on_mesh(module)
-    gather_on_use(module, gathered_to)
+    gather_on_use(module, gathered_to, precision)
     if not mesh.is_fully_local():
         bucket_gradients(module, bucket_cap_mb)
 
@@ -547,11 +554,11 @@ class Strategy:
       layout_map: a `LayoutMap` or dict for `distribute_model` (None: every parameter replicated).
       bucket_cap_mb: the gradient bucket size of `distribute_model` on a multi-client mesh (0: no buckets).
       shard_parameters: `distribute_model` also shards parameters, gradients and optimizer state over
-        `batch_dim` (FSDP / ZeRO-3; see `distribute_module`).
+        `batch_dim` (FSDP / ZeRO-3; see `distribute_module`), with mixed precision by `mp_policy`.
     """
 
     def __init__(self, mesh: Mesh, batch_dim: str | None = None, layout_map=None, *,
-                 bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB, shard_parameters: bool = False):
+                 bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB, shard_parameters: bool = False, mp_policy=None):
         if not isinstance(mesh, Mesh):
             raise LayoutError(f"Strategy expects a spmd.Mesh, got {type(mesh).__name__}")
         if batch_dim is not None and batch_dim not in mesh:
@@ -564,6 +571,7 @@ class Strategy:
             raise LayoutError("shard_parameters=True shards parameters over the batch dimension: give batch_dim")
         self.bucket_cap_mb = bucket_cap_mb
         self.shard_parameters = shard_parameters
+        self.mp_policy = mp_policy
 
     def __repr__(self) -> str:
         return f"Strategy(mesh={self.mesh!r}, batch_dim={self.batch_dim!r}, layout_map={self.layout_map!r})"
@@ -575,11 +583,12 @@ class Strategy:
         return Layout.batch_sharded(self.mesh, self.batch_dim, rank)
 
     def distribute_model(self, module: nn.Module, init_fn=None) -> nn.Module:
-        """`distribute_module(module, self.mesh, self.layout_map, init_fn, bucket_cap_mb=..., shard_parameters=...)`
-        (in place)."""
+        """`distribute_module(module, self.mesh, self.layout_map, init_fn, bucket_cap_mb=..., shard_parameters=...,
+        mp_policy=...)` (in place)."""
         return distribute_module(module, self.mesh, self.layout_map, init_fn=init_fn,
                                  bucket_cap_mb=self.bucket_cap_mb,
-                                 shard_parameters=self.batch_dim if self.shard_parameters else None)
+                                 shard_parameters=self.batch_dim if self.shard_parameters else None,
+                                 mp_policy=self.mp_policy)
 
     def distribute_batch(self, batch):
         """Copies every plain tensor in `batch` (a tensor, or nested tuples, lists and dicts) onto the mesh with

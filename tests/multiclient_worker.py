@@ -564,33 +564,45 @@ def donated_all_reduce():
                         for t, r in ((alone, a @ b), (relu, torch.relu(a @ b)), (held, a @ b))]})
 
 
-def _fsdp_training(mesh, steps=3, tensor_parallel=False):
-    """A 3-layer MLP (float64) with parameters sharded over "batch" (`shard_parameters`), optionally tensor parallel
-    over "model" too, trained with AdamW on batch-sharded data; returns the losses, the final parameters and the
-    parameters' layouts."""
+def _mlp_and_data(dtype):
+    import torch
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh(),
+                                torch.nn.Linear(32, 4)).to(dtype)
+    return model, torch.randn(16, 8, dtype=dtype), torch.randn(16, 4, dtype=dtype)
+
+
+def _mixed_precision():
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def _fsdp_training(mesh, steps=3, tensor_parallel=False, mixed_precision=False):
+    """A 3-layer MLP (float64; float32 with bfloat16 compute under `mixed_precision`) with parameters sharded over
+    "batch" (`shard_parameters`), optionally tensor parallel over "model" too, trained with AdamW on batch-sharded
+    data; returns the losses, the final parameters and the parameters' layouts."""
     import torch
     import spmd
     from spmd import UNSHARDED as U, Layout
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh(),
-                                torch.nn.Linear(32, 4)).double()
-    x, y = torch.randn(16, 8, dtype=torch.float64), torch.randn(16, 4, dtype=torch.float64)
+    model, x, y = _mlp_and_data(torch.float32 if mixed_precision else torch.float64)
     tp = {r"0\.weight": ["model", U], r"0\.bias": ["model"], r"2\.weight": [U, "model"]} if tensor_parallel else None
-    spmd.distribute_module(model, mesh, tp, shard_parameters="batch")
+    spmd.distribute_module(model, mesh, tp, shard_parameters="batch",
+                           mp_policy=_mixed_precision() if mixed_precision else None)
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     data = Layout(["batch", U], mesh)
     dx, dy = spmd.copy_to_mesh(x, data), spmd.copy_to_mesh(y, data)
     losses, prefetched = [], []
     start_gather = spmd.fsdp._start_gather
 
-    def counted(param, layout):  # the gathers started ahead of their unit's forward
-        handle = start_gather(param, layout)
+    def counted(*args):  # the gathers started ahead of their unit's forward
+        handle = start_gather(*args)
         prefetched.append(handle is not None)
         return handle
     spmd.fsdp._start_gather = counted
     try:
         for _ in range(steps):
-            loss = ((model(dx) - dy) ** 2).mean()
+            loss = ((model(dx).float() - dy) ** 2).mean()
             loss.backward()
             opt.step()
             opt.zero_grad()
@@ -601,14 +613,42 @@ def _fsdp_training(mesh, steps=3, tensor_parallel=False):
             [p._layout.sharding_specs for p in model.parameters()], sum(prefetched))
 
 
+def _fsdp2_mixed_precision(steps=3):
+    """`_fsdp_training(mixed_precision=True)` with torch's FSDP2 (`fully_shard` per layer and at the root, one device
+    per process): the losses."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    model, x, y = _mlp_and_data(torch.float32)
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mp_policy=_mixed_precision())
+    fully_shard(model, mp_policy=_mixed_precision())
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    rows = slice(dist.get_rank() * 16 // dist.get_world_size(), (dist.get_rank() + 1) * 16 // dist.get_world_size())
+    losses = []
+    for _ in range(steps):
+        loss = ((model(x[rows]).float() - y[rows]) ** 2).mean()  # FSDP2 averages the gradients over the ranks
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / dist.get_world_size())
+    return losses
+
+
 def fsdp_training():
     """`_fsdp_training` (argv: local devices per client, mesh dims as `batch,model`), data parallel and 2-D."""
     import spmd
     per, (batch, model) = int(sys.argv[2]), map(int, sys.argv[3].split(","))
     spmd.initialize_accelerator_system("CPU", num_logical_cpu_devices=per)
     mesh = spmd.create_distributed_mesh([("batch", batch), ("model", model)])
-    _result({"client": spmd.client_id(), "dp": _fsdp_training(mesh),
-             "2d": _fsdp_training(mesh, tensor_parallel=True)})
+    result = {"client": spmd.client_id(), "dp": _fsdp_training(mesh), "2d": _fsdp_training(mesh, tensor_parallel=True),
+              "mixed": _fsdp_training(mesh, mixed_precision=True)}
+    if per == 1 and model == 1:  # one device per process: torch's FSDP2 runs the same training
+        result["fsdp2_mixed"] = _fsdp2_mixed_precision()
+    _result(result)
 
 
 

@@ -214,9 +214,14 @@ def test_clients_train_as_one_process(clients, per_client, dims):
     fsdp_training = _worker_function("_fsdp_training")
     mesh = spmd.create_mesh([("batch", dims[0]), ("model", dims[1])])
     single = {"dp": fsdp_training(mesh), "2d": fsdp_training(mesh, tensor_parallel=True)}
-    results = launch("fsdp_training", argv_extra=[per_client, f"{dims[0]},{dims[1]}"], n=clients, timeout_s=60)
+    mixed = fsdp_training(mesh, mixed_precision=True)
+    results = launch("fsdp_training", argv_extra=[per_client, f"{dims[0]},{dims[1]}"], n=clients, timeout_s=90)
     assert len(results) == clients
     for r in results:
+        # bfloat16 compute: the clients' products fold fewer devices than one process's, so the roundings differ
+        assert r["mixed"][0] == pytest.approx(mixed[0], rel=1e-3)
+        if "fsdp2_mixed" in r:
+            assert r["mixed"][0] == pytest.approx(r["fsdp2_mixed"], rel=1e-3)
         for kind, (losses, params, layouts, _) in single.items():
             assert r[kind][0] == pytest.approx(losses, rel=1e-9), kind
             assert r[kind][2] == layouts
@@ -254,3 +259,75 @@ def test_an_optimizer_state_loaded_from_a_replicated_run_is_sharded_like_the_par
     step(sharded, sharded_opt)
     for got, want in zip(sharded.parameters(), replicated.parameters()):
         torch.testing.assert_close(spmd.to_global(got.detach()), spmd.to_global(want.detach()))
+
+
+def _mixed(**kwargs):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    return MixedPrecisionPolicy(**{"param_dtype": torch.bfloat16, **kwargs})
+
+
+@pytest.mark.parametrize("reduce_dtype, reduced_bytes", [(torch.float32, 4), (None, 2)])
+def test_mixed_precision_gathers_in_param_dtype_and_reduces_in_reduce_dtype(reduce_dtype, reduced_bytes):
+    """FSDP2's MixedPrecisionPolicy: each shard cast to bfloat16 before its gather (half the bytes), the module
+    computing in it, each device's partial gradient cast to `reduce_dtype` (default: bfloat16) before the
+    reduce-scatter; parameters, gradients and optimizer state stay float32."""
+    mesh = spmd.create_mesh([("batch", 4)])
+    reference = _mlp().float()
+    model = spmd.distribute_module(copy.deepcopy(reference), mesh, shard_parameters="batch",
+                                   mp_policy=_mixed(reduce_dtype=reduce_dtype))
+    (x, y), (dx, dy) = _data(mesh)
+    dx, dy = dx.float(), dy.float()
+    with Recorder() as e:
+        out = model(dx)
+        loss = ((out.float() - dy) ** 2).sum()
+        loss.backward()
+    assert out.dtype == torch.bfloat16
+    gathers = [(c.kind, c.bytes) for c in e.collectives if c.kind == "all_gather"]
+    assert gathers == [("all_gather", n * 2) for n in (16 * 8 // 4, 16 // 4, 8 * 16 // 4, 8 // 4, 8 * 16 // 4)]
+    scatters = sorted(c.bytes for c in e.collectives if c.kind == "reduce_scatter")
+    assert scatters == sorted(n * reduced_bytes for n in (16 * 8, 16, 8 * 16, 8))
+    ((reference(x.float()) - y.float()) ** 2).sum().backward()
+    opt = torch.optim.AdamW(model.parameters())
+    opt.step()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert p.dtype == p.grad.dtype == opt.state[p]["exp_avg"].dtype == torch.float32
+        assert spmd.fetch_layout(p.grad) == spmd.fetch_layout(p)
+        torch.testing.assert_close(spmd.to_global(p.grad), q.grad, rtol=0.03, atol=0.03 * float(q.grad.abs().max()))
+
+
+def test_mixed_precision_output_dtype_and_inputs_left_as_given():
+    mesh = spmd.create_mesh([("batch", 2)])
+    _, (dx, _) = _data(mesh)
+    model = spmd.distribute_module(_mlp().float(), mesh, shard_parameters="batch",
+                                   mp_policy=_mixed(output_dtype=torch.float32))
+    assert model(dx.float()).dtype == torch.float32
+    uncast = spmd.distribute_module(_mlp().float(), mesh, shard_parameters="batch",
+                                    mp_policy=_mixed(cast_forward_inputs=False))
+    with pytest.raises(RuntimeError, match="dtype"):  # torch's own error: a float32 input, bfloat16 weights
+        uncast(dx.float())
+    assert uncast(dx.to(torch.bfloat16)).dtype == torch.bfloat16
+
+
+def test_mixed_precision_under_function_mode_equals_eager():
+    mesh = spmd.create_mesh([("batch", 4)])
+    models = [spmd.distribute_module(_mlp().float(), mesh, shard_parameters="batch",
+                                     mp_policy=_mixed(reduce_dtype=torch.float32)) for _ in range(2)]
+    _, (dx, dy) = _data(mesh)
+    dx, dy = dx.float(), dy.float()
+    def loss(model):
+        return lambda a, b: ((model(a).float() - b) ** 2).mean()
+    step = spmd.function(loss(models[0]), backend="aot_eager")
+    assert _train(models[0], dx, dy, step_fn=step)[0] == _train(models[1], dx, dy, step_fn=loss(models[1]))[0]
+    e = step.explain(dx, dy, backward=True)
+    assert [c.bytes for c in e.collectives if c.kind == "all_gather"] == [64, 8, 64, 4]  # bfloat16 shards
+    assert sorted(c.bytes for c in e.collectives if c.kind == "reduce_scatter") == [32, 64, 512, 512]  # float32
+
+
+def test_a_mixed_precision_policy_needs_sharded_parameters_and_floating_dtypes():
+    mesh = spmd.create_mesh([("batch", 2)])
+    with pytest.raises(ValueError, match="with shard_parameters"):
+        spmd.distribute_module(_mlp(), mesh, mp_policy=_mixed())
+    with pytest.raises(TypeError, match="mp_policy takes torch.distributed.fsdp.MixedPrecisionPolicy"):
+        spmd.distribute_module(_mlp(), mesh, shard_parameters="batch", mp_policy=torch.bfloat16)
+    with pytest.raises(TypeError, match="param_dtype must be a floating dtype"):
+        spmd.distribute_module(_mlp(), mesh, shard_parameters="batch", mp_policy=_mixed(param_dtype=torch.int8))
