@@ -12,7 +12,9 @@ forward of each module that owns such parameters (a *unit*):
    reduce-scatter, so nothing but the gather needs to be written here;
 3. after it, the parameters are put back and the gathered copies freed: what autograd saves of them for backward
    (a weight, for its input's gradient) is saved as a note (`_Regather`, through saved-tensor hooks) and gathered
-   again when backward unpacks it, as FSDP gathers again before a unit's backward.
+   again when backward unpacks it, as FSDP gathers again before a unit's backward — unless
+   `reshard_after_forward=False` (FSDP2's option, ZeRO-2's memory): autograd then keeps what it saved, one gather
+   per parameter and step, the gathered weights held from forward to backward.
 
 Prefetch: each unit learns which unit's forward came next (in the first forward of its distributed module) and,
 once it has its own parameters, starts that unit's gathers asynchronously, so they travel while this unit
@@ -202,9 +204,11 @@ class _Unit:
     """The hooks of one module that owns sharded parameters: gather before its forward (or take what the unit
     before it prefetched), start the next unit's gathers, put the parameters back after."""
 
-    def __init__(self, module: nn.Module, params: dict[str, tuple[DTensor, Layout]], precision: Precision | None):
+    def __init__(self, module: nn.Module, params: dict[str, tuple[DTensor, Layout]], precision: Precision | None,
+                 reshard: bool):
         self.params = params
         self.precision = precision
+        self.reshard = reshard  # whether backward gathers again what it needs (else autograd keeps the copies)
         self.gatherers = {name: _gatherer(param, layout, precision) for name, (param, layout) in params.items()}
         self.next: _Unit | None = None  # the unit whose forward came next, learned in the first forward
         self.prefetched: dict[str, tuple] = {}  # name -> (gather in flight, the parameter's version then)
@@ -220,7 +224,7 @@ class _Unit:
         # traced by spmd.function, the compiled graph decides what backward keeps (no saved-tensor hooks there)
         # and schedules its collectives itself (no prefetch)
         compiling = torch.compiler.is_compiling()
-        track = torch.is_grad_enabled() and not compiling
+        track = self.reshard and torch.is_grad_enabled() and not compiling
         frame = _Frame([], None)  # pushed first: `release` runs even when this raises
         self.frames.append(frame)
         precision = self.precision
@@ -280,9 +284,11 @@ def _forward_starts(module: nn.Module, args) -> None:
     _LAST[0] = None  # a unit's successor is learned within one forward of the distributed module
 
 
-def gather_on_use(module: nn.Module, compute_layouts: dict[int, Layout], precision: Precision | None = None) -> None:
+def gather_on_use(module: nn.Module, compute_layouts: dict[int, Layout], precision: Precision | None = None,
+                  reshard_after_forward: bool = True) -> None:
     """Registers a `_Unit` on every submodule owning parameters whose layout differs from their compute layout
-    (`compute_layouts`: id of the parameter -> the layout its name maps to), gathering them in `precision`."""
+    (`compute_layouts`: id of the parameter -> the layout its name maps to), gathering them in `precision`; without
+    `reshard_after_forward`, what backward needs of the gathered copies stays from the forward."""
     for sub in module.modules():
         old = _UNITS.pop(sub, None)
         if old is not None:
@@ -290,7 +296,7 @@ def gather_on_use(module: nn.Module, compute_layouts: dict[int, Layout], precisi
         params = {name: (p, compute_layouts[id(p)]) for name, p in sub._parameters.items()
                   if p is not None and id(p) in compute_layouts and p._layout != compute_layouts[id(p)]}
         if params:
-            _UNITS[sub] = _Unit(sub, params, precision)
+            _UNITS[sub] = _Unit(sub, params, precision, reshard_after_forward)
     sharded = any(sub in _UNITS for sub in module.modules())
     for hook in _ROOTS.pop(module, ()):
         hook.remove()

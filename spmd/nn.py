@@ -224,7 +224,7 @@ def _set(places, value, kind: str) -> None:
 def distribute_module(module: nn.Module, mesh: Mesh, layout_map=None,
                       init_fn: Callable[[str, DTensor], Any] | None = None, *,
                       bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB, shard_parameters: str | None = None,
-                      mp_policy=None) -> nn.Module:
+                      mp_policy=None, reshard_after_forward: bool = True) -> nn.Module:
     """Distributes `module` in place: parameters become `DVariable`s, buffers DTensors; returns `module`.
 
     Every parameter takes the layout `layout_map` maps its name to (see `LayoutMap`; a dict works too), or is
@@ -278,7 +278,8 @@ def distribute_module(module: nn.Module, mesh: Mesh, layout_map=None,
     parameters to their mapped layouts just before its forward and frees them after, gathering again in backward;
     gradients are reduce-scattered onto the shards. `mp_policy` (torch's FSDP2 `MixedPrecisionPolicy`) gathers them
     in its `param_dtype` and reduce-scatters gradients in its `reduce_dtype`; parameters, gradients and optimizer
-    state keep their own dtype.
+    state keep their own dtype. `reshard_after_forward=False` keeps what backward needs of the gathered parameters
+    from the forward instead of gathering them again (more memory, fewer gathers).
 
     Nothing is modified when a layout is invalid: every layout is checked before the first tensor moves.
     """
@@ -292,9 +293,10 @@ def distribute_module(module: nn.Module, mesh: Mesh, layout_map=None,
     _warn_unmatched(layout_map, module, params + buffers)
     compute_layouts = [layout for _, _, layout in params]
     precision = Precision.of(mp_policy)
-    if precision is not None and shard_parameters is None:
-        raise ValueError("mp_policy is FSDP's mixed precision: it takes effect where parameters are gathered, with "
-                         "shard_parameters=<the batch mesh dim>; for data parallelism, use torch.autocast")
+    if shard_parameters is None and (precision is not None or not reshard_after_forward):
+        raise ValueError("mp_policy and reshard_after_forward say how sharded parameters are gathered: give "
+                         "shard_parameters=<the batch mesh dim> (for data parallelism's mixed precision, use "
+                         "torch.autocast)")
     if shard_parameters is not None:
         params = [(t, places, sharded_layout(layout, tuple(t.shape), shard_parameters))
                   for t, places, layout in params]
@@ -336,7 +338,7 @@ def distribute_module(module: nn.Module, mesh: Mesh, layout_map=None,
                 value = copy_to_mesh(tensor.detach(), layout)
             _set(places, value, "buffer")
     _forwards_on_mesh(module)
-    gather_on_use(module, gathered_to, precision)
+    gather_on_use(module, gathered_to, precision, reshard_after_forward)
     if not mesh.is_fully_local():
         bucket_gradients(module, bucket_cap_mb)
 

@@ -117,6 +117,22 @@ def test_a_step_issues_the_gathers_and_reduce_scatters_of_fsdp_and_nothing_else(
                                            (*scatter, 8 * 8)])
 
 
+def test_without_resharding_after_forward_backward_gathers_nothing_again():
+    mesh = spmd.create_mesh([("batch", 4)])
+    reference = _mlp()
+    model = spmd.distribute_module(copy.deepcopy(reference), mesh, shard_parameters="batch",
+                                   reshard_after_forward=False)
+    (x, y), (dx, dy) = _data(mesh)
+    with Recorder() as e:
+        ((model(dx) - dy) ** 2).sum().backward()
+    assert [c.kind for c in e.collectives if not c.backward] == ["all_gather"] * 4
+    assert [c.kind for c in e.collectives if c.backward] == ["reduce_scatter"] * 4  # no gather again
+    assert not fsdp._LIVE and model[2].weight._layout.sharding_specs[0] == "batch"
+    ((reference(x) - y) ** 2).sum().backward()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(spmd.to_global(p.grad), q.grad)
+
+
 def test_gathered_parameters_do_not_outlive_the_forward():
     mesh = spmd.create_mesh([("batch", 4)])
     model = spmd.distribute_module(_mlp(), mesh, shard_parameters="batch")
@@ -325,8 +341,9 @@ def test_mixed_precision_under_function_mode_equals_eager():
 
 def test_a_mixed_precision_policy_needs_sharded_parameters_and_floating_dtypes():
     mesh = spmd.create_mesh([("batch", 2)])
-    with pytest.raises(ValueError, match="with shard_parameters"):
-        spmd.distribute_module(_mlp(), mesh, mp_policy=_mixed())
+    for kwargs in ({"mp_policy": _mixed()}, {"reshard_after_forward": False}):
+        with pytest.raises(ValueError, match="give shard_parameters"):
+            spmd.distribute_module(_mlp(), mesh, **kwargs)
     with pytest.raises(TypeError, match="mp_policy takes torch.distributed.fsdp.MixedPrecisionPolicy"):
         spmd.distribute_module(_mlp(), mesh, shard_parameters="batch", mp_policy=torch.bfloat16)
     with pytest.raises(TypeError, match="param_dtype must be a floating dtype"):
