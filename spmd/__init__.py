@@ -28,6 +28,7 @@ from spmd.custom_ops import register_sharding
 from spmd import chunked_losses  # noqa: F401  (torch's chunked loss at reduction 'none', per device)
 from spmd.buckets import no_sync
 from spmd.nn import LayoutMap, Strategy, distribute_module
+from spmd.tp_plans import layout_map_from_tp_plan
 from spmd.scope import default_mesh, get_default_mesh, implicit_replication
 from spmd.variable import DVariable
 from spmd.visualize import visualize
@@ -48,5 +49,5 @@ __all__ = [
     "job_name", "local_devices", "num_local_devices", "num_global_devices", "create_distributed_mesh", "barrier",
     "CheckpointError", "CollectiveError", "function", "Function", "Explanation", "CollectiveRecord", "TraceError",
     "Controller", "interop", "to_torch_dtensor", "from_torch_dtensor", "to_jax_array", "from_jax_array",
-    "local_map", "axis_index", "expert_parallel", "register_sharding",
+    "local_map", "axis_index", "expert_parallel", "register_sharding", "layout_map_from_tp_plan",
 ]
