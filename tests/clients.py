@@ -11,6 +11,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -43,7 +44,7 @@ def launch(argv: list, n: int = 2, timeout_s: float = 10, env: dict | None = Non
     of torchrun's. `wait_for`: the clients awaited (the others are killed once those are done); without it every
     client must exit 0. `require_result`: an awaited client without a RESULT line fails the test."""
     port = free_port()
-    procs = []
+    procs, logs = [], []
     for rank in range(n):
         e = clean_env()
         if dtensor_env:  # TF's variables: the rendezvous is client 0's address
@@ -54,22 +55,29 @@ def launch(argv: list, n: int = 2, timeout_s: float = 10, env: dict | None = Non
                      MASTER_PORT=str(port))
         e["SPMD_COLLECTIVE_TIMEOUT"] = str(timeout_s)
         e.update(env or {})
-        procs.append(subprocess.Popen([sys.executable, *map(str, argv)], env=e, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
+        # output to files, not pipes: a client whose output outgrew a pipe would block until it is read, and the
+        # clients are awaited one after the other
+        logs.append((tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")))
+        procs.append(subprocess.Popen([sys.executable, *map(str, argv)], env=e, stdout=logs[-1][0],
+                                      stderr=logs[-1][1], text=True))
     deadline = time.monotonic() + hard_timeout
     awaited = wait_for if wait_for is not None else tuple(range(n))
     outputs: list = [None] * n
     try:
         for rank in awaited:
             try:
-                outputs[rank] = procs[rank].communicate(timeout=max(deadline - time.monotonic(), 1))
+                procs[rank].wait(timeout=max(deadline - time.monotonic(), 1))
             except subprocess.TimeoutExpired:
                 pytest.fail(f"client {rank} of {argv} ran past {hard_timeout}s")
+            outputs[rank] = tuple(_read(f) for f in logs[rank])
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-            p.communicate()
+            p.wait()
+        for files in logs:
+            for f in files:
+                f.close()
     results = []
     for rank, out in enumerate(outputs):
         if out is None:
@@ -82,3 +90,8 @@ def launch(argv: list, n: int = 2, timeout_s: float = 10, env: dict | None = Non
             pytest.fail(f"client {rank} of {argv} gave no result:\n{out[1][-3000:]}")
         results.append(json.loads(lines[-1][len("RESULT "):]) if lines else None)
     return results, outputs
+
+
+def _read(f) -> str:
+    f.seek(0)
+    return f.read()
