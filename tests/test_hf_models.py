@@ -121,6 +121,30 @@ def test_activation_checkpointing_recomputes_each_layer_with_the_same_dropout(me
         _close(spmd.to_global(p.grad), spmd.to_global(q.grad), name)
 
 
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_context_parallel_llama_keeps_the_sequence_sharded(attn):
+    """Llama with the sequence sharded too (one row of the batch per device, context parallelism): the linear
+    layers' merged batch × sequence rows stay sharded over both, so forward gathers only each layer's keys and
+    values (their cache's concatenation) and the shifted labels; loss and gradients are plain torch's."""
+    mesh = spmd.create_mesh([("batch", 2), ("seq", 2)])
+    torch.manual_seed(0)
+    ref, _ = _llama(attn)
+    model = spmd.distribute_module(copy.deepcopy(ref), mesh)
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    dist_ids = spmd.copy_to_mesh(ids, Layout(["batch", "seq"], mesh))
+    with Recorder() as r:
+        out = model(input_ids=dist_ids, labels=dist_ids)
+        out.loss.backward()
+    expected = ref(input_ids=ids, labels=ids)
+    expected.loss.backward()
+    assert spmd.fetch_layout(out.logits) == Layout(["batch", "seq", U], mesh)
+    forward = [(c.kind, c.mesh_dims) for c in r.collectives if not c.backward]
+    assert sorted(forward) == [("all_gather", ("seq",))] * 5 + [("all_reduce", ("batch", "seq"))]
+    torch.testing.assert_close(out.loss.item(), expected.loss.item(), rtol=1e-5, atol=0)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        _close(spmd.to_global(p.grad), q.grad, name)
+
+
 def _bert(attn):
     config = transformers.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
                                      vocab_size=64, max_position_embeddings=32, hidden_dropout_prob=0.0,

@@ -208,8 +208,10 @@ def test_views_match_torch(name, fn, mesh):
     ([("x", "y"), U], lambda a: a.t(), [U, ("x", "y")], []),
     ([("x", "y"), U], lambda a: a.reshape(64), [("x", "y")], []),
     ([("x", "y"), U], lambda a: a.view(4, 2, 8), [("x", "y"), U, U], []),
-    # 8 rows as 2 × 4: x's 2 blocks divide the 2, the 4 blocks of ("x", "y") do not: y alone is gathered
-    ([("x", "y"), U], lambda a: a.view(2, 4, 8), ["x", U, U], [("all_gather", ("y",))]),
+    # 8 rows as 2 × 4: x's 2 blocks are the 2 (one each), y's the 4's halves: nothing moves
+    ([("x", "y"), U], lambda a: a.view(2, 4, 8), ["x", "y", U], []),
+    ([("x", "y"), U], lambda a: a.view(2, 2, 2, 8), ["x", "y", U, U], []),
+    ([("x", "y"), U], lambda a: a.view(1, 2, 4, 8), [U, "x", "y", U], []),
     ([("x", "y"), U], lambda a: torch.cat([a, a], 1), [("x", "y"), U], []),
     ([("x", "y"), U], lambda a: a[2:6], [U, U], [("all_gather", ("y",)), ("all_gather", ("x",))]),
 ])
@@ -221,6 +223,26 @@ def test_views_keep_multi_axis_layouts(specs, fn, out_specs, kinds):
     assert spmd.fetch_layout(out) == Layout(out_specs, MESH) and got == kinds
     check_replicas(out)
     torch.testing.assert_close(spmd.to_global(out), fn(a))
+
+
+@pytest.mark.parametrize("shape, specs, size, out_specs, kinds", [
+    # a batch of one row per device and a sharded sequence, merged for a linear layer: both stay
+    ((2, 8, 4), ["x", "y", U], (16, 4), [("x", "y"), U], []),
+    ((2, 8, 4), ["x", "y", U], (2, 4, 2, 4), ["x", "y", U, U], []),
+    # two rows per device: the sequence's blocks are not contiguous in the merged order, y is gathered
+    ((4, 8, 4), ["x", "y", U], (32, 4), ["x", U], [("all_gather", ("y",))]),
+    # an unsharded axis of several elements first: the sharded one after it is gathered
+    ((2, 8, 4), [U, "y", U], (16, 4), [U, U], [("all_gather", ("y",))]),
+])
+def test_merged_axes_keep_their_mesh_dims_where_each_device_holds_one_block(shape, specs, size, out_specs, kinds):
+    a = rand(*shape)
+    out, got = _kinds(lambda: spmd.copy_to_mesh(a, Layout(specs, MESH)).reshape(size))
+    assert spmd.fetch_layout(out) == Layout(out_specs, MESH) and got == kinds
+    check_replicas(out)
+    torch.testing.assert_close(spmd.to_global(out), a.reshape(size))
+    if not kinds:  # and back, as a linear layer's output is viewed back: nothing moves either
+        back, got = _kinds(lambda: out.reshape(shape))
+        assert got == [] and spmd.fetch_layout(back) == Layout(specs, MESH)
 
 
 def test_complex_views_keep_multi_axis_layouts_and_take_in_place_ops():

@@ -49,33 +49,65 @@ def _segments(a: tuple, b: tuple) -> list[tuple[range, range]]:
 
 def reshape_axes(in_shape: tuple, in_axes: tuple, out_shape: tuple, shards) -> tuple[tuple, tuple]:
     """(required input axes, output axes) for reshaping `in_shape` to `out_shape`; `shards(m)`: how many blocks
-    an axis sharded over `m` has."""
+    an axis sharded over `m` has.
+
+    In each run of axes with equal products, a device's elements stay one block of the run's flattened order
+    while every sharded axis but the last has one element per device and every axis after it is whole: the run's
+    mesh dims, major to minor, then shard the output axes in order (an axis takes dims while their blocks divide
+    it, the next only once it holds one element per device). Merging a batch sharded to one row per device with a
+    sharded sequence keeps both; dims that fit nowhere are gathered."""
     if math.prod(in_shape) == 0:
         return (None,) * len(in_shape), (None,) * len(out_shape)
     need, out = list(in_axes), [None] * len(out_shape)
     for ins, outs in _segments(tuple(in_shape), tuple(out_shape)):
-        lead_in = next((i for i in ins if in_shape[i] > 1), None)
-        lead_out = next((j for j in outs if out_shape[j] > 1), None)
-        for i in ins:
-            if i != lead_in:
-                need[i] = None
-        if lead_in is not None and need[lead_in] is not None:
-            kept = None if lead_out is None else _dividing(need[lead_in], out_shape[lead_out], shards)
-            need[lead_in] = kept
-            if kept is not None:
-                out[lead_out] = kept
+        dims = _run_dims(ins, in_shape, need, shards)  # clears the input axes that cannot stay sharded
+        placed = 0
+        for j in (j for j in outs if out_shape[j] > 1):
+            taken = _taken(dims[placed:], out_shape[j], shards)
+            if taken:
+                out[j] = taken[0] if len(taken) == 1 else tuple(taken)
+            placed += len(taken)
+            if math.prod(shards(d) for d in taken) != out_shape[j]:
+                break  # this axis holds several elements per device: the next ones stay whole
+        _gather_minor(ins, need, dims[placed:])
     return tuple(need), tuple(out)
 
 
-def _dividing(m, size: int, shards):
-    """The longest major part of the mesh dims `m` (one, or a tuple) whose blocks divide `size`, or None: an axis
-    sharded over `("x", "y")` that only `x`'s blocks divide keeps `x` (its minor dim `y` gathered)."""
-    dims = axis_dims(m)
-    for k in range(len(dims), 0, -1):
-        part = dims[0] if k == 1 else dims[:k]
-        if size % shards(part) == 0:
-            return part
-    return None
+def _run_dims(ins: range, in_shape: tuple, need: list, shards) -> list:
+    """The mesh dims sharding a run of input axes that may stay sharded (see `reshape_axes`), major to minor;
+    the other axes of the run set to be gathered in `need`."""
+    dims, whole_after = [], False
+    for i in ins:
+        if in_shape[i] == 1 or need[i] is None or whole_after:
+            whole_after = whole_after or (in_shape[i] > 1)
+            need[i] = None
+            continue
+        dims.extend(axis_dims(need[i]))
+        whole_after = in_shape[i] != shards(need[i])
+    return dims
+
+
+def _taken(dims: list, size: int, shards) -> list:
+    """The leading mesh dims of `dims` whose blocks together divide `size`."""
+    taken, blocks = [], 1
+    for d in dims:
+        if size % (blocks * shards(d)):
+            break
+        taken.append(d)
+        blocks *= shards(d)
+    return taken
+
+
+def _gather_minor(ins: range, need: list, dropped: list) -> None:
+    """Removes the mesh dims `dropped` (the run's minor ones, which no output axis takes) from the run's input axes."""
+    for i in reversed(ins):
+        if not dropped or need[i] is None:
+            continue
+        dims = list(axis_dims(need[i]))
+        while dims and dropped and dims[-1] == dropped[-1]:
+            dims.pop()
+            dropped = dropped[:-1]
+        need[i] = None if not dims else dims[0] if len(dims) == 1 else tuple(dims)
 
 
 def _infer_size(size, numel: int) -> tuple:
