@@ -1,8 +1,8 @@
-"""Keeps benchmarks/bench_multiclient.py, bench_fsdp.py, bench_moe.py and bench_custom_ops.py from rotting: their main() runs end to end
-with `--quick` (2 real client processes, gloo, a hard timeout). No timing is asserted; only that every case runs, the
-values of every relayout agree across spmd, raw torch.distributed and torch DT, spmd's training losses equal DDP's,
-sharded parameters hold half the state of replicated ones with the same losses, and experts under `local_map`
-gather no tokens, and a custom op with a sharding rule moves nothing."""
+"""Keeps benchmarks/bench_multiclient.py, bench_fsdp.py, bench_moe.py and bench_custom_ops.py from rotting: their
+main() runs end to end with `--quick` (2 real client processes, gloo, a hard timeout). No timing is asserted; only
+that every case runs, the values of every relayout agree across spmd, raw torch.distributed and torch DT, spmd's
+training losses equal DDP's, sharded parameters hold half the state of replicated ones with the same losses, experts
+under `local_map` gather no tokens, and a custom op with a sharding rule moves nothing."""
 
 import pytest
 import torch

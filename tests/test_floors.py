@@ -24,9 +24,8 @@ FLOORS = {  # a module's floor is that of its longest matching entry; `spmd` alo
     3: ["spmd.engine"],  # the rule engine
     4: ["spmd.api", "spmd.creation", "spmd.scope", "spmd.variable", "spmd.function_mode", "spmd.whole_step",
         "spmd.forbidden", "spmd.visualize", "spmd.local_functions", "spmd.custom_ops"],
-    5: ["spmd.nn", "spmd.tp_plans", "spmd.chunked_losses", "spmd.experts", "spmd.sharded_batch", "spmd.buckets", "spmd.fsdp",
-        "spmd.data", "spmd.checkpoint", "spmd.runtime",
-        "spmd.xla", "spmd.interop"],
+    5: ["spmd.nn", "spmd.tp_plans", "spmd.chunked_losses", "spmd.experts", "spmd.sharded_batch", "spmd.buckets",
+        "spmd.fsdp", "spmd.data", "spmd.checkpoint", "spmd.runtime", "spmd.xla", "spmd.interop"],
     6: ["spmd.cli", "spmd.demo", "spmd.controller", "spmd"],
 }
 _FLOOR_OF = {prefix: floor for floor, prefixes in FLOORS.items() for prefix in prefixes}

@@ -1,9 +1,9 @@
 """View and shape ops: reshape, permute, squeeze/unsqueeze, expand, slicing, cat, split, unbind.
 
 Why the rules hold: these ops move elements without combining them, so a sharded axis survives whenever its
-blocks map onto contiguous blocks of one output axis (permute, unsqueeze, expand of other axes, a reshape
-whose segment starts with the sharded axis). Otherwise the axis is gathered first: the answer never depends
-on the layout. The same holds for an axis sharded over several mesh dims (`"x+y"`: its blocks are ordered as one
+blocks map onto contiguous blocks of output axes (permute, unsqueeze, expand of other axes, a reshape that
+keeps each device's elements one block: engine/rules/reshapes.py). Otherwise the axis is gathered first: the
+answer never depends on the layout. The same holds for an axis sharded over several mesh dims (`"x+y"`: its blocks are ordered as one
 mesh dim of their product's size), so the rules that move axes whole, and the reshapes, are registered
 `multi_axis`: a view of such an axis keeps it, instead of gathering its minor mesh dims.
 """
@@ -21,93 +21,10 @@ from spmd.engine.decision import Decision, OpCall, TensorSpec, is_inplace, unsup
 from spmd.engine.rules.common import (block_starts, check_in_range, constant, first_device, generic_kernel,
                                       norm_dim, shard_starts, zero_d_as_one_element)
 from spmd.engine.rules.reduction import arg, arg_index
+from spmd.engine.rules.reshapes import reshape_axes
 from spmd.layout import axis_dims
 
 aten = torch.ops.aten
-
-
-def _segments(a: tuple, b: tuple) -> list[tuple[range, range]]:
-    """Splits shapes `a` and `b` (same numel) into runs of axes with equal products."""
-    i = j = 0
-    segs = []
-    while i < len(a) or j < len(b):
-        i0, j0, pa, pb = i, j, 1, 1
-        if i < len(a):
-            pa, i = a[i], i + 1
-        if j < len(b):
-            pb, j = b[j], j + 1
-        while pa != pb:
-            if pa < pb and i < len(a):
-                pa, i = pa * a[i], i + 1
-            elif j < len(b):
-                pb, j = pb * b[j], j + 1
-            else:
-                pa, i = pa * a[i], i + 1
-        segs.append((range(i0, i), range(j0, j)))
-    return segs
-
-
-def reshape_axes(in_shape: tuple, in_axes: tuple, out_shape: tuple, shards) -> tuple[tuple, tuple]:
-    """(required input axes, output axes) for reshaping `in_shape` to `out_shape`; `shards(m)`: how many blocks
-    an axis sharded over `m` has.
-
-    In each run of axes with equal products, a device's elements stay one block of the run's flattened order
-    while every sharded axis but the last has one element per device and every axis after it is whole: the run's
-    mesh dims, major to minor, then shard the output axes in order (an axis takes dims while their blocks divide
-    it, the next only once it holds one element per device). Merging a batch sharded to one row per device with a
-    sharded sequence keeps both; dims that fit nowhere are gathered."""
-    if math.prod(in_shape) == 0:
-        return (None,) * len(in_shape), (None,) * len(out_shape)
-    need, out = list(in_axes), [None] * len(out_shape)
-    for ins, outs in _segments(tuple(in_shape), tuple(out_shape)):
-        dims = _run_dims(ins, in_shape, need, shards)  # clears the input axes that cannot stay sharded
-        placed = 0
-        for j in (j for j in outs if out_shape[j] > 1):
-            taken = _taken(dims[placed:], out_shape[j], shards)
-            if taken:
-                out[j] = taken[0] if len(taken) == 1 else tuple(taken)
-            placed += len(taken)
-            if math.prod(shards(d) for d in taken) != out_shape[j]:
-                break  # this axis holds several elements per device: the next ones stay whole
-        _gather_minor(ins, need, dims[placed:])
-    return tuple(need), tuple(out)
-
-
-def _run_dims(ins: range, in_shape: tuple, need: list, shards) -> list:
-    """The mesh dims sharding a run of input axes that may stay sharded (see `reshape_axes`), major to minor;
-    the other axes of the run set to be gathered in `need`."""
-    dims, whole_after = [], False
-    for i in ins:
-        if in_shape[i] == 1 or need[i] is None or whole_after:
-            whole_after = whole_after or (in_shape[i] > 1)
-            need[i] = None
-            continue
-        dims.extend(axis_dims(need[i]))
-        whole_after = in_shape[i] != shards(need[i])
-    return dims
-
-
-def _taken(dims: list, size: int, shards) -> list:
-    """The leading mesh dims of `dims` whose blocks together divide `size`."""
-    taken, blocks = [], 1
-    for d in dims:
-        if size % (blocks * shards(d)):
-            break
-        taken.append(d)
-        blocks *= shards(d)
-    return taken
-
-
-def _gather_minor(ins: range, need: list, dropped: list) -> None:
-    """Removes the mesh dims `dropped` (the run's minor ones, which no output axis takes) from the run's input axes."""
-    for i in reversed(ins):
-        if not dropped or need[i] is None:
-            continue
-        dims = list(axis_dims(need[i]))
-        while dims and dropped and dims[-1] == dropped[-1]:
-            dims.pop()
-            dropped = dropped[:-1]
-        need[i] = None if not dims else dims[0] if len(dims) == 1 else tuple(dims)
 
 
 def _infer_size(size, numel: int) -> tuple:
