@@ -125,22 +125,14 @@ def test_llamas_own_plan_is_the_megatron_layout_map():
         assert (derived[name] or [U] * p.dim()) == (hand[name] or [U] * p.dim()), name
 
 
-@pytest.mark.parametrize("name, extra, gathers", [
+@pytest.mark.parametrize("name, extra, gathers", [  # (the forward's all-gathers over "model")
     ("Qwen3", {"head_dim": 8}, 0),  # column/row pairs only: the sums of Megatron's layers and nothing else
-    ("Phi3", {"pad_token_id": 0}, 18),  # packed q|k|v and gate|up projections: their outputs are split, gathered
-    ("Mixtral", {"num_local_experts": 4}, 6),  # the experts' packed gate|up
+    ("Phi3", {"pad_token_id": 0}, 8),  # packed q|k|v and gate|up projections: their outputs are split, gathered
+    ("Mixtral", {"num_local_experts": 4}, 2),  # the experts' packed gate|up
 ])
 def test_hf_models_train_unchanged_under_their_own_plans(name, extra, gathers):
+    from tests.test_hf_models import _step_like_torch
     ref = _hf(name, **extra)
     model = spmd.distribute_module(copy.deepcopy(ref), MESH, spmd.layout_map_from_tp_plan(ref))
-    ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(1))
-    dist_ids = spmd.copy_to_mesh(ids, Layout(["batch", U], MESH))
-    with Recorder() as r:
-        loss = model(input_ids=dist_ids, labels=dist_ids).loss
-        loss.backward()
-    ref_loss = ref(input_ids=ids, labels=ids).loss
-    ref_loss.backward()
-    torch.testing.assert_close(loss.item(), ref_loss.item(), rtol=1e-5, atol=0)
-    for (param_name, p), q in zip(model.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(spmd.to_global(p.grad), q.grad, rtol=1e-5, atol=1e-6, msg=param_name)
-    assert sum(c.kind == "all_gather" and c.mesh_dims == ("model",) for c in r.collectives) == gathers
+    forward = _step_like_torch(model, ref, MESH)
+    assert sum(c.kind == "all_gather" and c.mesh_dims == ("model",) for c in forward.collectives) == gathers
