@@ -556,11 +556,12 @@ class Strategy:
       layout_map: a `LayoutMap` or dict for `distribute_model` (None: every parameter replicated).
       bucket_cap_mb: the gradient bucket size of `distribute_model` on a multi-client mesh (0: no buckets).
       shard_parameters: `distribute_model` also shards parameters, gradients and optimizer state over
-        `batch_dim` (FSDP / ZeRO-3; see `distribute_module`), with mixed precision by `mp_policy`.
+        `batch_dim` (FSDP / ZeRO-3; see `distribute_module`), with `mp_policy` and `reshard_after_forward`.
     """
 
     def __init__(self, mesh: Mesh, batch_dim: str | None = None, layout_map=None, *,
-                 bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB, shard_parameters: bool = False, mp_policy=None):
+                 bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB, shard_parameters: bool = False, mp_policy=None,
+                 reshard_after_forward: bool = True):
         if not isinstance(mesh, Mesh):
             raise LayoutError(f"Strategy expects a spmd.Mesh, got {type(mesh).__name__}")
         if batch_dim is not None and batch_dim not in mesh:
@@ -573,7 +574,7 @@ class Strategy:
             raise LayoutError("shard_parameters=True shards parameters over the batch dimension: give batch_dim")
         self.bucket_cap_mb = bucket_cap_mb
         self.shard_parameters = shard_parameters
-        self.mp_policy = mp_policy
+        self.mp_policy, self.reshard_after_forward = mp_policy, reshard_after_forward
 
     def __repr__(self) -> str:
         return f"Strategy(mesh={self.mesh!r}, batch_dim={self.batch_dim!r}, layout_map={self.layout_map!r})"
@@ -586,11 +587,11 @@ class Strategy:
 
     def distribute_model(self, module: nn.Module, init_fn=None) -> nn.Module:
         """`distribute_module(module, self.mesh, self.layout_map, init_fn, bucket_cap_mb=..., shard_parameters=...,
-        mp_policy=...)` (in place)."""
+        mp_policy=..., reshard_after_forward=...)` (in place)."""
         return distribute_module(module, self.mesh, self.layout_map, init_fn=init_fn,
                                  bucket_cap_mb=self.bucket_cap_mb,
                                  shard_parameters=self.batch_dim if self.shard_parameters else None,
-                                 mp_policy=self.mp_policy)
+                                 mp_policy=self.mp_policy, reshard_after_forward=self.reshard_after_forward)
 
     def distribute_batch(self, batch):
         """Copies every plain tensor in `batch` (a tensor, or nested tuples, lists and dicts) onto the mesh with

@@ -189,6 +189,13 @@ def test_strategy_shards_parameters_over_its_batch_dim():
     strategy = spmd.Strategy(mesh, "batch", shard_parameters=True)
     model = strategy.distribute_model(_mlp())
     assert [p._layout.sharding_specs for p in model.parameters()] == [["batch", U], ["batch"]] * 2
+    strategy = spmd.Strategy(mesh, "batch", shard_parameters=True, reshard_after_forward=False,
+                             mp_policy=_mixed(reduce_dtype=torch.float32))
+    model = strategy.distribute_model(_mlp().float())
+    with Recorder() as e:
+        out = model(strategy.distribute_batch(torch.randn(4, 8)))
+        out.float().sum().backward()
+    assert out.dtype == torch.bfloat16 and not [c for c in e.collectives if c.backward and c.kind == "all_gather"]
 
 
 def test_checkpoint_of_a_sharded_run_loads_into_replicated_parameters(tmp_path):
