@@ -125,7 +125,8 @@ def test_activation_checkpointing_recomputes_each_layer_with_the_same_dropout(me
 def test_context_parallel_llama_keeps_the_sequence_sharded(attn):
     """Llama with the sequence sharded too (one row of the batch per device, context parallelism): the linear
     layers' merged batch × sequence rows stay sharded over both, so forward gathers only each layer's keys and
-    values (their cache's concatenation) and the shifted labels; loss and gradients are plain torch's."""
+    values (their cache's concatenation) and the shifted labels, and backward sums only their gradients; loss and
+    gradients are plain torch's."""
     mesh = spmd.create_mesh([("batch", 2), ("seq", 2)])
     torch.manual_seed(0)
     ref, _ = _llama(attn)
@@ -140,6 +141,10 @@ def test_context_parallel_llama_keeps_the_sequence_sharded(attn):
     assert spmd.fetch_layout(out.logits) == Layout(["batch", "seq", U], mesh)
     forward = [(c.kind, c.mesh_dims) for c in r.collectives if not c.backward]
     assert sorted(forward) == [("all_gather", ("seq",))] * 5 + [("all_reduce", ("batch", "seq"))]
+    # backward: each layer's key and value gradients summed over the seq devices' query rows, after the sum over
+    # the query heads that share them (grouped-query attention: 2 of 4 heads' size)
+    kv = 1 * 2 * 16 * 8 * 4  # a device's batch row, 2 key-value heads, 16 positions, head size 8, float32
+    assert [(c.kind, c.mesh_dims, c.bytes) for c in r.collectives if c.backward] == [("all_reduce", ("seq",), kv)] * 4
     torch.testing.assert_close(out.loss.item(), expected.loss.item(), rtol=1e-5, atol=0)
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         _close(spmd.to_global(p.grad), q.grad, name)

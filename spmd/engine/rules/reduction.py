@@ -115,7 +115,16 @@ def _full_kernel(call: OpCall, r: int):
     return kernel
 
 
-register(aten.sum.dim_IntList, aten.sum.default, blockwise=True)(lambda call: reduce_rule(call, "sum"))
+@register(aten.sum.dim_IntList, aten.sum.default, blockwise=True)
+def sum_rule(call: OpCall) -> Decision:
+    """A gradient's pending sum (one backward made) summed over unsharded axes stays pending: a sum of sums, reduced
+    later on the smaller result (a grouped-query attention's key gradient, summed over the heads sharing it, then
+    reduce-scattered on its way to a sequence-sharded key) rather than all-reduced whole first."""
+    decision = reduce_rule(call, "sum")
+    spec = call.specs[0]
+    if not spec.gradient or decision.reduce or tuple(decision.inputs[0]) != tuple(spec.axes):
+        return decision
+    return replace(decision, keeps=(0,), reduce=(spec.pending,))
 # a NaN counts as 0 in each shard's nansum as in the whole's; nonzero counts add up
 register(aten.nansum.default, aten.count_nonzero.default, aten.count_nonzero.dim_IntList)(
     lambda call: reduce_rule(call, "sum"))
