@@ -510,6 +510,30 @@ def test_worker_error_surfaces_naming_the_op(ctl, mesh):
     assert spmd.to_global(ok * 2).tolist() == [2.0, 2.0]
 
 
+def test_a_custom_op_the_workers_did_not_import_is_named(ctl, mesh):
+    from tests import custom_op_module
+    x = spmd.copy_to_mesh(torch.randn(8, 4), Layout(["batch", U], mesh))
+    with pytest.raises(WorkerError, match=r"no op spmd_test_controller::scaled_square.default on this worker.*"
+                                          r"imports=\[that module\]"):
+        custom_op_module.scaled_square(x, 3.0).sum().item()
+    with pytest.raises(TypeError, match="imports takes a list of module names"):
+        Controller(imports="tests.custom_op_module")
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_workers_import_the_modules_of_custom_ops_and_their_rules(engine):
+    """`Controller(imports=[...])`: each worker imports the module that defines a custom op and its sharding rule,
+    so the op runs on the workers where the data is (a `...` rule: sharded as its input, no collective)."""
+    from tests import custom_op_module
+    x = torch.randn(8, 4)
+    with Controller(num_workers=2, devices_per_worker=2, engine=engine, collective_timeout=20,
+                    imports=["tests.custom_op_module"]) as controller:
+        mesh = controller.create_mesh([("x", 4)])
+        y = custom_op_module.scaled_square(spmd.copy_to_mesh(x, Layout(["x", U], mesh)), 3.0)
+        assert spmd.fetch_layout(y).sharding_specs == ["x", U]
+        torch.testing.assert_close(spmd.to_global(y), x * x * 3)
+
+
 @pytest.mark.parametrize("engine", ENGINES)
 def test_killed_worker_is_an_error_not_a_hang(engine):
     before = descendants(os.getpid())

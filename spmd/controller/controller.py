@@ -33,13 +33,18 @@ class Controller:
       engine: 'monarch' (`torchmonarch`, the default) or 'ray'.
       collective_timeout: seconds a worker's collective waits for the others; a read waits this long plus a
         margin before the controller declares the workers lost.
+      imports: modules each worker imports when it starts (importable there: installed, or on the path): those
+        that define the custom ops (`torch.library`) and the sharding rules (`spmd.register_sharding`) the program
+        uses, which the workers run by name.
 
     Raises:
       ControllerError: the engine's package is missing, or the workers failed to start.
     """
 
     def __init__(self, num_workers: int = 2, devices_per_worker: int = 1, device_type: str = "CPU",
-                 engine: str = "monarch", collective_timeout: float = 60.0):
+                 engine: str = "monarch", collective_timeout: float = 60.0, imports: Sequence[str] = ()):
+        if isinstance(imports, str) or not all(isinstance(name, str) for name in imports):
+            raise TypeError(f"imports takes a list of module names, got {imports!r}")
         if num_workers < 1 or devices_per_worker < 1:
             raise ValueError(f"num_workers and devices_per_worker must be >= 1, got {num_workers}, "
                              f"{devices_per_worker}")
@@ -55,7 +60,8 @@ class Controller:
         atexit.register(self.shutdown)
         try:
             self._engine.start(num_workers, dict(devices_per_worker=devices_per_worker, device_type=device_type,
-                                                 master_port=_free_port(), collective_timeout=collective_timeout))
+                                                 master_port=_free_port(), collective_timeout=collective_timeout,
+                                                 imports=tuple(imports)))
             self._infos = self._session.call("info")
         except BaseException:
             self.shutdown()

@@ -80,7 +80,11 @@ def op_name(func) -> str:
 @functools.lru_cache(maxsize=None)
 def resolve_op(name: str):
     namespace, op, overload = name.split(".")
-    return getattr(getattr(getattr(torch.ops, namespace), op), overload)
+    try:
+        return getattr(getattr(getattr(torch.ops, namespace), op), overload)
+    except AttributeError:
+        raise LookupError(f"no op {namespace}::{op}.{overload} on this worker: a custom op is defined by the module "
+                          "that registers it; start the Controller with imports=[that module]") from None
 
 
 def encode(value, refs):

@@ -10,6 +10,7 @@ after it are skipped, since their inputs may be missing.
 
 from __future__ import annotations
 
+import importlib
 import os
 import pickle
 import traceback
@@ -26,12 +27,14 @@ class WorkerState:
     """What one worker process holds; the engines' actors forward their messages to it."""
 
     def __init__(self, rank: int, num_workers: int, devices_per_worker: int, device_type: str, master_port: int,
-                 collective_timeout: float, master_addr: str = "127.0.0.1"):
+                 collective_timeout: float, master_addr: str = "127.0.0.1", imports: tuple = ()):
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(num_workers), LOCAL_RANK=str(rank),
                           MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // num_workers))
         runtime.initialize_accelerator_system(device_type, num_logical_cpu_devices=devices_per_worker,
                                               collective_timeout=collective_timeout)
+        for name in imports:  # the user's modules the instructions need: custom ops and their sharding rules
+            importlib.import_module(name)
         self.rank = rank
         self.table: dict[int, DTensor] = {}
         self.objects: dict[int, object] = {}  # datasets and their iterators, by id (ids shared with the table's)
