@@ -49,5 +49,6 @@ __all__ = [
     "job_name", "local_devices", "num_local_devices", "num_global_devices", "create_distributed_mesh", "barrier",
     "CheckpointError", "CollectiveError", "function", "Function", "Explanation", "CollectiveRecord", "TraceError",
     "Controller", "interop", "to_torch_dtensor", "from_torch_dtensor", "to_jax_array", "from_jax_array",
-    "local_map", "axis_index", "expert_parallel", "register_sharding", "layout_map_from_tp_plan",
+    "local_map", "axis_index", "expert_parallel", "register_sharding",
+    "layout_map_from_tp_plan",
 ]

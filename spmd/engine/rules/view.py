@@ -3,9 +3,9 @@
 Why the rules hold: these ops move elements without combining them, so a sharded axis survives whenever its
 blocks map onto contiguous blocks of output axes (permute, unsqueeze, expand of other axes, a reshape that
 keeps each device's elements one block: engine/rules/reshapes.py). Otherwise the axis is gathered first: the
-answer never depends on the layout. The same holds for an axis sharded over several mesh dims (`"x+y"`: its blocks are ordered as one
-mesh dim of their product's size), so the rules that move axes whole, and the reshapes, are registered
-`multi_axis`: a view of such an axis keeps it, instead of gathering its minor mesh dims.
+answer never depends on the layout. The same holds for an axis sharded over several mesh dims (`"x+y"`: its blocks
+are ordered as one mesh dim of their product's size), so the rules that move axes whole, and the reshapes, are
+registered `multi_axis`: a view of such an axis keeps it, instead of gathering its minor mesh dims.
 """
 
 from __future__ import annotations
