@@ -13,7 +13,10 @@ partial sum, left pending like a matrix product's). `need_replication_factors` a
 their elements: a norm over them, a sort along them).
 
 Choosing the mesh dims: inputs earlier in the rule, and axes earlier in an input, win — a factor takes the first
-mesh dim an input shards it over that no earlier factor took; the other inputs are relayouted to it.
+mesh dim an input shards it over that no earlier factor took; the other inputs are relayouted to it. An argument
+the op writes (`Tensor(a!)`) is a result too, which keeps its layout: it chooses first, a factor it holds whole
+stays whole, and one it lacks cannot leave a partial sum in it. Where the rule still needs it in another layout (a
+factor to gather), the op writes a relayouted copy, whose values the dispatcher relayouts back into it.
 """
 
 from __future__ import annotations
@@ -23,9 +26,11 @@ from typing import Callable, NamedTuple
 import torch
 from torch.utils import _pytree as pytree
 
+from spmd.collectives.local import traced
 from spmd.engine import dispatch, registry
-from spmd.engine.decision import Decision, OpCall, TensorSpec
+from spmd.engine.decision import Decision, OpCall, TensorSpec, is_inplace, returns_alias
 from spmd.engine.rules.common import generic_kernel, per_device
+from spmd.mesh import axis_dims
 
 _ELLIPSIS = "..."
 
@@ -62,6 +67,9 @@ def register_sharding(op, sharding_rule: str | Callable[..., str] | None = None,
     A callable instead of the string decides the rule per call from the op's arguments (DTensors given as meta
     tensors of their global shapes), e.g. from a `dim` argument; called without a rule, `register_sharding(op)`
     decorates that callable. The rule is a promise about the op: spmd checks the shapes it implies, not the math.
+    An op writing some of its arguments names them in its terms like the others (and has no result term for
+    them): they keep their layouts (the other inputs are relayouted to them; where the rule needs one gathered, it
+    is written through a relayouted copy, relayouted back after).
     Register before the op first runs on DTensors in a traced `spmd.function` (a compiled graph keeps what it was
     traced with); an op can have one rule (spmd's ops have theirs).
     """
@@ -107,12 +115,21 @@ def _check_op(op) -> None:
     if torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd"):
         raise ValueError(f"{op} is implemented by other ops (CompositeImplicitAutograd), which spmd shards one by "
                          "one: it needs no rule")
-    if schema.is_mutable:
-        raise ValueError(f"{op} writes its arguments ({schema}); register_sharding takes functional ops")
     if any(_is_tensor_list(a.type) for a in schema.arguments):
         raise ValueError(f"{op} takes a list of tensors ({schema}); a sharding rule names each tensor argument")
-    if not schema.returns or any(not isinstance(r.type, torch.TensorType) for r in schema.returns):
+    returns_tensors = all(isinstance(r.type, torch.TensorType) for r in schema.returns)
+    if not returns_tensors or not (schema.returns or schema.is_mutable):
         raise ValueError(f"{op} returns more than tensors ({schema}); a sharding rule describes tensor results")
+    if returns_alias(op) and not _returns_its_target(schema):
+        raise ValueError(f"{op} returns a view of an argument ({schema}); a sharding rule describes new results "
+                         "(or an op writing its first argument and returning it, as torch's in-place ops do)")
+
+
+def _returns_its_target(schema) -> bool:
+    """Whether the op writes its first argument and returns it alone, as torch's in-place ops do."""
+    target = schema.arguments[0].alias_info if schema.arguments else None
+    result = schema.returns[0].alias_info if len(schema.returns) == 1 else None
+    return target is not None and target.is_write and result is not None and result.before_set == target.before_set
 
 
 def _is_tensor_list(t) -> bool:
@@ -123,8 +140,8 @@ def _parse(text: str, op) -> _Rule:
     if not isinstance(text, str) or text.count("->") != 1:
         raise ValueError(f"sharding rule of {op}: {text!r} is not 'operands -> results' (e.g. 'b s h, h -> b s h')")
     left, right = text.split("->")
-    return _Rule(tuple(_term(t, text, op) for t in left.split(",")),
-                 tuple(_term(t, text, op) for t in right.split(",")), text)
+    results = right.split(",") if right.strip() else ()  # (nothing: an op that only writes its arguments)
+    return _Rule(tuple(_term(t, text, op) for t in left.split(",")), tuple(_term(t, text, op) for t in results), text)
 
 
 def _term(text: str, rule: str, op) -> _Term:
@@ -160,6 +177,7 @@ def _rule_text(rule: Callable, call: OpCall) -> str:
 
 class _Operand(NamedTuple):
     position: int  # of its term in the rule
+    name: str  # of its argument in the op's schema
     spec: TensorSpec
     term: _Term
     factors: tuple[str, ...]  # per axis (a `...` axis named by its place from the right: '...0' the last)
@@ -188,7 +206,7 @@ def _operands(call: OpCall, rule: _Rule) -> list[_Operand]:
         if extra < 0 or (extra and not term.ellipsis):
             raise ValueError(f"sharding rule {rule.text!r} of {call.func}: argument {name!r} has shape "
                              f"{list(spec.shape)}, the term {str(term)!r} names {len(term.factors)} axes")
-        given.append(_Operand(position, spec, term, _ellipsis_factors(extra) + term.factors))
+        given.append(_Operand(position, name, spec, term, _ellipsis_factors(extra) + term.factors))
     return [next(g for g in given if g.spec is spec) for spec in call.specs]
 
 
@@ -218,38 +236,59 @@ def _decide(call: OpCall, rule: _Rule, reduction: frozenset, replicated: frozens
     sizes = _sizes(call, operands, rule)
     ellipsis_rank = max((o.ellipsis_rank for o in operands), default=0)
     results = [_ellipsis_factors(ellipsis_rank if t.ellipsis else 0) + t.factors for t in rule.results]
+    # an argument the op writes is a result too, whose layout cannot change: it chooses its factors' mesh dims
+    # first (the dispatcher refuses a decision that would relayout it), and a sum it lacks cannot stay pending
+    written = _written(call.func)
+    outcomes = results + [o.factors for o in operands if o.name in written]
     # a factor may stay sharded where every result has it (blockwise), or the others sum over it
-    in_every_result = set(results[0]).intersection(*results[1:])
-    mesh_dim_of: dict[str, str] = {}
-    for o in sorted(operands, key=lambda o: o.position):  # the rule's order decides
+    in_every_result = set.intersection(*map(set, outcomes)) if outcomes else set()
+    summable = {f for f in reduction if all(f in o.factors for o in operands if o.name in written)}
+    mesh_dim_of: dict[str, str | tuple | None] = {}  # (a tuple: a written multi-axis target's mesh dims)
+    taken: set[str] = set()
+    for o in sorted(operands, key=lambda o: (o.name not in written, o.position)):  # else the rule's order decides
         for m, f, n in zip(o.spec.axes, o.factors, o.spec.shape):
-            if m is not None and (f in in_every_result or f in reduction) and f not in replicated and \
-                    f not in mesh_dim_of and n == sizes[f] and m not in mesh_dim_of.values():
+            if m is None and o.name in written and n == sizes[f]:
+                mesh_dim_of.setdefault(f, None)  # (stays unsharded: the written argument holds it whole)
+            elif m is not None and (f in in_every_result or f in summable) and f not in replicated and \
+                    f not in mesh_dim_of and n == sizes[f] and taken.isdisjoint(axis_dims(m)):
                 mesh_dim_of[f] = m
+                taken.update(axis_dims(m))
     inputs = tuple(tuple(mesh_dim_of.get(f) if n == sizes[f] else None for f, n in zip(o.factors, o.spec.shape))
                    for o in operands)
     outputs = tuple(tuple(mesh_dim_of.get(f) for f in r) for r in results)
-    summed = tuple(tuple(mesh_dim_of[f] for f in sorted(reduction) if f in mesh_dim_of and f not in r)
-                   for r in results)
-    return Decision(inputs, outputs, _kernel(call, rule, operands, results, ellipsis_rank),
-                    reduce=summed if any(summed) else (), single=len(results) == 1)
+    summed = tuple(tuple(d for f in sorted(reduction) if f in mesh_dim_of and f not in r
+                         for d in axis_dims(mesh_dim_of[f])) for r in results)
+    inplace = is_inplace(call.func) and returns_alias(call.func)
+    return Decision(inputs, outputs, _kernel(call, rule, operands, results, ellipsis_rank, inplace),
+                    reduce=summed if any(summed) else (), single=len(results) == 1, inplace=inplace)
 
 
-def _kernel(call: OpCall, rule: _Rule, operands: list[_Operand], results: list, ellipsis_rank: int):
+def _written(func) -> frozenset[str]:
+    """The names of the arguments `func` writes."""
+    return frozenset(a.name for a in func._schema.arguments if a.alias_info is not None and a.alias_info.is_write)
+
+
+def _kernel(call: OpCall, rule: _Rule, operands: list[_Operand], results: list, ellipsis_rank: int,
+            inplace: bool):
     """Calls the op on the components (once on the stacks where every term has `...`), checking once that the
-    results have the local shapes the rule implies."""
+    results have the local shapes the rule implies. An op writing its arguments writes the components; its kernel
+    returns no results (`()`), or its target's components when it returns its target."""
     func = call.func
+    written = tuple(j for j, o in enumerate(operands) if o.name in _written(func))
     if all(t.ellipsis for t in rule.operands + rule.results):
         # the stack's axis is one more leading axis; shorter `...`s right-aligned by axes of 1 after it
         pads = tuple((ellipsis_rank - o.ellipsis_rank) or None for o in operands)
         run = generic_kernel(func, pads=pads if any(pads) else None)
     else:
         def run(locals_, args, kwargs):
-            return per_device(func, locals_, args, kwargs, len(locals_[0]))
+            copied = written if written and traced(locals_[0]) else ()
+            return per_device(func, locals_, args, kwargs, len(locals_[0]), copied)
     checked = []
 
     def kernel(locals_, args, kwargs):
         out = run(locals_, args, kwargs)
+        if inplace or not results:
+            return locals_[0] if inplace else ()
         if not checked:
             _check_result_shapes(call, rule, operands, results, locals_, (out,) if len(results) == 1 else out)
             checked.append(True)

@@ -20,8 +20,10 @@ Prefetch: each unit learns which unit's forward came next (in the first forward 
 once it has its own parameters, starts that unit's gathers asynchronously, so they travel while this unit
 computes — where a gather is one direct torch.distributed call (multi-client meshes with one member of each group
 per client, as under torchrun); elsewhere (in-process meshes) the next unit gathers when it starts. A prefetched
-parameter changed in place since (an optimizer step) is gathered again. Every client starts the same gathers in
-the same order, so collectives stay matched.
+parameter changed in place since (an optimizer step) is gathered again. Backward prefetches the same way, in the
+other direction: when a unit's backward gathers its first saved weight again, the gathers of the weights the unit
+before it saved start (FSDP2's backward prefetch). Every client starts the same gathers in the same order, so
+collectives stay matched.
 
 Peak memory is then the shards plus the gathered parameters of the units in flight (this one and the next).
 
@@ -111,6 +113,8 @@ class Precision(NamedTuple):
 
 class _Regather(NamedTuple):
     """A saved view of a gathered parameter, kept as what gathers it again (see the module's docstring, 3.)."""
+    unit: _Unit  # whose forward gathered it
+    name: str
     param: DTensor
     layout: Layout  # the compute layout the parameter is gathered to
     dtype: torch.dtype  # and the dtype
@@ -123,7 +127,7 @@ class _Regather(NamedTuple):
 _UNITS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> its _Unit
 # distributed module -> its hooks: the forward-start one (and the outputs' cast of a mixed-precision policy)
 _ROOTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-# storage address of gathered components in use -> (param, compute layout, compute dtype, offset)
+# storage address of gathered components in use -> (unit, name, param, compute layout, compute dtype, offset)
 _LIVE: dict[int, tuple] = {}
 _LAST: list = [None]  # the unit that gathered last in the current forward of a distributed module
 
@@ -133,8 +137,9 @@ def _pack(saved: torch.Tensor):
         stack = saved._stack
         live = _LIVE.get(stack.untyped_storage().data_ptr())
         if live is not None:
-            param, layout, dtype, base = live
-            return _Regather(param, layout, dtype, saved._layout, tuple(stack.shape), stack.stride(),
+            unit, name, param, layout, dtype, base = live
+            unit.saved.add(name)
+            return _Regather(unit, name, param, layout, dtype, saved._layout, tuple(stack.shape), stack.stride(),
                              stack.storage_offset() - base)
     return saved
 
@@ -142,8 +147,7 @@ def _pack(saved: torch.Tensor):
 def _unpack(saved):
     if type(saved) is not _Regather:
         return saved
-    with torch.no_grad():
-        stack = relayout(saved.param.detach().to(saved.dtype), saved.layout)._stack
+    stack = saved.unit.regathered(saved)
     return make(stack.as_strided(saved.size, saved.stride, stack.storage_offset() + saved.offset), saved.view_layout)
 
 
@@ -211,7 +215,10 @@ class _Unit:
         self.reshard = reshard  # whether backward gathers again what it needs (else autograd keeps the copies)
         self.gatherers = {name: _gatherer(param, layout, precision) for name, (param, layout) in params.items()}
         self.next: _Unit | None = None  # the unit whose forward came next, learned in the first forward
+        self.previous: _Unit | None = None  # and the one before it: the next whose backward runs
         self.prefetched: dict[str, tuple] = {}  # name -> (gather in flight, the parameter's version then)
+        self.saved: set[str] = set()  # the parameters whose gathered copies autograd saved (backward gathers them)
+        self.regathering: dict[str, tuple] = {}  # name -> (backward's gather in flight, the parameter's version)
         self.frames: list[_Frame] = []  # per forward in flight (a unit may run again inside itself)
         self.handles = [module.register_forward_pre_hook(self.gather, with_kwargs=True),
                         module.register_forward_hook(self.release, always_call=True)]
@@ -227,6 +234,7 @@ class _Unit:
         track = self.reshard and torch.is_grad_enabled() and not compiling
         frame = _Frame([], None)  # pushed first: `release` runs even when this raises
         self.frames.append(frame)
+        self._finish_regathers()
         precision = self.precision
         for name, (param, layout) in self.params.items():
             gathered = self._take(name, param, layout)
@@ -236,7 +244,7 @@ class _Unit:
             stack = gathered._stack if track else None  # (a traced DTensor's components: not Dynamo's to read)
             if track and stack is not param._stack and (stack.is_contiguous() or shared(stack)):
                 frame.live.append(stack.untyped_storage().data_ptr())
-                _LIVE[frame.live[-1]] = (param, layout, gathered.dtype, stack.storage_offset())
+                _LIVE[frame.live[-1]] = (self, name, param, layout, gathered.dtype, stack.storage_offset())
         if track:
             frame.hooks = torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
             frame.hooks.__enter__()
@@ -261,7 +269,7 @@ class _Unit:
         """Learns which unit follows the last one, and prefetches the one that follows this one."""
         last = _LAST[0]
         if last is not None and last is not self and last.next is None:
-            last.next = self
+            last.next, self.previous = self, last
         _LAST[0] = self
         after = self.next
         if after is not None and not after.prefetched:
@@ -269,6 +277,30 @@ class _Unit:
                 handle = _start_gather(param, layout, (after.precision or Precision()).compute_dtype(param))
                 if handle is not None:
                     after.prefetched[name] = (handle, param._version)
+
+    def regathered(self, note: _Regather) -> torch.Tensor:
+        """In backward, the components of `note`'s parameter gathered again: prefetched when the unit after this one
+        in forward needed its own, or now; then the unit before this one starts gathering what it will need."""
+        handle, version = self.regathering.pop(note.name, (None, None))
+        stack = handle.wait() if handle is not None else None  # (every client finishes the collective it started)
+        if stack is None or version != note.param._version:
+            with torch.no_grad():
+                stack = relayout(note.param.detach().to(note.dtype), note.layout)._stack
+        before = self.previous
+        if before is not None and not before.regathering:
+            for name, (param, layout) in before.params.items():  # (the same order on every client)
+                if name not in before.saved:
+                    continue
+                handle = _start_gather(param, layout, (before.precision or Precision()).compute_dtype(param))
+                if handle is not None:
+                    before.regathering[name] = (handle, param._version)
+        return stack
+
+    def _finish_regathers(self) -> None:
+        """Waits for backward's gathers that backward did not take (a backward that stopped early)."""
+        for handle, _ in self.regathering.values():
+            handle.wait()
+        self.regathering.clear()
 
     def release(self, module: nn.Module, args, output) -> None:
         frame = self.frames.pop()

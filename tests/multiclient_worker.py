@@ -592,25 +592,28 @@ def _fsdp_training(mesh, steps=3, tensor_parallel=False, mixed_precision=False):
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     data = Layout(["batch", U], mesh)
     dx, dy = spmd.copy_to_mesh(x, data), spmd.copy_to_mesh(y, data)
-    losses, prefetched = [], []
+    losses, prefetched = [], {False: 0, True: 0}
     start_gather = spmd.fsdp._start_gather
 
-    def counted(*args):  # the gathers started ahead of their unit's forward
+    def counted(*args):  # the gathers started ahead of their unit's forward (or, in backward, of its backward)
         handle = start_gather(*args)
-        prefetched.append(handle is not None)
+        prefetched[torch._C._current_autograd_node() is not None] += handle is not None
         return handle
     spmd.fsdp._start_gather = counted
     try:
         for _ in range(steps):
-            loss = ((model(dx).float() - dy) ** 2).mean()
-            loss.backward()
+            with spmd.explain.Recorder() as record:
+                loss = ((model(dx).float() - dy) ** 2).mean()
+                loss.backward()
             opt.step()
             opt.zero_grad()
             losses.append(loss.item())
     finally:
         spmd.fsdp._start_gather = start_gather
+    backward_gathers = sum(c.kind == "all_gather" for c in record.collectives if c.backward)  # (the last step's)
     return (losses, [spmd.to_global(p.detach()).tolist() for p in model.parameters()],
-            [p._layout.sharding_specs for p in model.parameters()], sum(prefetched))
+            [p._layout.sharding_specs for p in model.parameters()], prefetched[False], prefetched[True],
+            backward_gathers)
 
 
 def _fsdp2_mixed_precision(steps=3):

@@ -141,8 +141,8 @@ def test_a_detach_shares_its_tensors_handle_until_both_are_dropped(ctl, mesh, mo
 
 
 def test_shadow_cache_replays_views_inplace_and_pending_ops(mesh):
-    torch.manual_seed(0)
-    a, w = torch.randn(8, 16), torch.randn(16, 8)
+    torch.manual_seed(0)  # (float64: the contraction's sums are taken in another order than plain torch's)
+    a, w = torch.randn(8, 16, dtype=torch.float64), torch.randn(16, 8, dtype=torch.float64)
     da = spmd.copy_to_mesh(a, Layout(["batch", "model"], mesh))
     dw = spmd.copy_to_mesh(w, Layout(["model", U], mesh))
 
@@ -532,6 +532,10 @@ def test_workers_import_the_modules_of_custom_ops_and_their_rules(engine):
         y = custom_op_module.scaled_square(spmd.copy_to_mesh(x, Layout(["x", U], mesh)), 3.0)
         assert spmd.fetch_layout(y).sharding_specs == ["x", U]
         torch.testing.assert_close(spmd.to_global(y), x * x * 3)
+        # an op writing its argument: each worker writes its devices' components where they are
+        assert custom_op_module.add_scaled_(y, spmd.copy_to_mesh(x, Layout([U, U], mesh)), 2.0) is None
+        assert spmd.fetch_layout(y).sharding_specs == ["x", U]
+        torch.testing.assert_close(spmd.to_global(y), x * x * 3 + 2 * x)
 
 
 @pytest.mark.parametrize("engine", ENGINES)

@@ -7,7 +7,7 @@ import torch
 
 import spmd
 from spmd import UNSHARDED as U, Layout
-from tests.sweep import MESH, check_op, issued, rand
+from tests.sweep import MESH, all_layouts, check_op, check_replicas, issued, rand
 
 _CALLS = {"norm": 0, "gelu": 0}
 
@@ -244,8 +244,8 @@ def test_ops_spmd_shards_already_and_python_functions_are_refused(op, message):
         spmd.register_sharding(op, "i -> i")
 
 
-def test_ops_that_write_or_take_lists_or_return_more_than_tensors_are_refused():
-    for name, schema, message in [("writes", "writes(Tensor(a!) x) -> ()", "writes its arguments"),
+def test_ops_that_return_views_or_take_lists_or_return_more_than_tensors_are_refused():
+    for name, schema, message in [("aliases", "aliases(Tensor(a) x) -> Tensor(a)", "returns a view"),
                                   ("lists", "lists(Tensor[] xs) -> Tensor", "list of tensors"),
                                   ("counts", "counts(Tensor x) -> int", "returns more than tensors")]:
         with pytest.raises(ValueError, match=message):
@@ -303,3 +303,157 @@ def test_an_optional_tensor_given_none_skips_its_term_and_a_changed_float_is_rea
     out, got = issued(lambda: affine(dx, spmd.copy_to_mesh(b, Layout([U], MESH)), 2.0))
     assert got == []
     torch.testing.assert_close(spmd.to_global(out), x * 2.0 + b)
+
+
+# -- ops that write their arguments -----------------------------------------------------------------------------------
+@torch.library.custom_op("spmd_test::add_rms_norm_", mutates_args=("x", "residual"))
+def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float) -> None:
+    """residual += x; x = rms_norm(residual) * w: a fused kernel of the kind inference libraries write."""
+    residual.add_(x)
+    x.copy_(_norm(residual, w, eps))
+
+
+add_rms_norm_.register_fake(lambda x, residual, w, eps: None)
+spmd.register_sharding(add_rms_norm_, "... h, ... h, h -> ", need_replication_factors=("h",))
+
+
+def _plain_add_rms_norm(x, r, w):
+    x, r = x.clone(), r.clone()
+    add_rms_norm_(x, r, w, 1e-5)
+    return x, r
+
+
+def test_an_op_writing_its_arguments_writes_each_devices_components_for_every_layout():
+    """Every layout of the written activations and the read weight: sharded rows stay where they are; a sharded
+    normalised axis is gathered for the op (both written arguments) and its new values sliced back into each
+    device's block (no collective); a sharded weight is gathered."""
+    x, r, w = rand(4, 2, 6), rand(4, 2, 6, seed=1), rand(6, seed=2)
+    want_x, want_r = _plain_add_rms_norm(x, r, w)
+    ran = 0
+    for layout in all_layouts(MESH, x.shape):
+        for w_layout in all_layouts(MESH, w.shape):
+            dx, dr, dw = (spmd.copy_to_mesh(t, l) for t, l in ((x, layout), (r, layout), (w, w_layout)))
+            out, got = issued(lambda: add_rms_norm_(dx, dr, dw, 1e-5))
+            h, w_dim = layout.sharding_specs[-1], w_layout.sharding_specs[0]
+            assert out is None and got == ([("all_gather", (h,))] * 2 if h != U else []) + (
+                [("all_gather", (w_dim,))] if w_dim != U else [])
+            for d, want in ((dx, want_x), (dr, want_r)):
+                assert spmd.fetch_layout(d) == layout
+                torch.testing.assert_close(spmd.to_global(d), want)
+                for got_c, want_c in zip(spmd.unpack(d), spmd.unpack(spmd.copy_to_mesh(want, layout))):
+                    torch.testing.assert_close(got_c, want_c)
+                check_replicas(d)
+            ran += 1
+    assert ran == 13 * 3  # every layout of the activations (each axis U, x or y, a mesh dim once) and the weight's
+
+
+@torch.library.custom_op("spmd_test::scale_into", mutates_args=("out",))
+def scale_into(out: torch.Tensor, x: torch.Tensor, s: float) -> None:
+    out.copy_(x * s)
+
+
+scale_into.register_fake(lambda out, x, s: None)
+spmd.register_sharding(scale_into, "i j, i j -> ")
+
+
+@pytest.mark.parametrize("out_specs, x_specs, collectives", [
+    (["x", U], ["x", U], []),
+    (["x", U], [U, "x"], [("all_to_all", ("x",))]),  # the written buffer keeps its layout: x moves to it
+    ([U, "y"], ["x", U], [("all_gather", ("x",))]),
+    ([U, U], ["x", "y"], [("all_gather", ("x",)), ("all_gather", ("y",))]),
+])
+def test_a_written_output_buffer_keeps_its_layout_and_the_inputs_are_relayouted_to_it(out_specs, x_specs,
+                                                                                     collectives):
+    x = rand(4, 6)
+    out = spmd.copy_to_mesh(torch.zeros(4, 6, dtype=x.dtype), Layout(out_specs, MESH))
+    result, got = issued(lambda: scale_into(out, spmd.copy_to_mesh(x, Layout(x_specs, MESH)), 3.0))
+    assert result is None and sorted(got) == collectives
+    assert spmd.fetch_layout(out) == Layout(out_specs, MESH)
+    torch.testing.assert_close(spmd.to_global(out), 3 * x)
+
+
+@pytest.mark.parametrize("residual_specs, collectives", [
+    ([("x", "y"), U, U], []),
+    (["x", U, U], [("all_gather", ("y",))]),  # sliced to the rows' layout (free), gathered back after
+    ([U, U, U], [("all_gather", ("y",)), ("all_gather", ("x",))]),
+])
+def test_a_written_argument_in_another_layout_is_written_through_a_relayouted_copy(residual_specs, collectives):
+    """The first written argument (rows over x and y) decides; the other written one is relayouted to it for the
+    op, and its new values relayouted back into its own layout."""
+    x, r, w = rand(4, 2, 6), rand(4, 2, 6, seed=1), rand(6, seed=2)
+    dx = spmd.copy_to_mesh(x, Layout([("x", "y"), U, U], MESH))
+    dr = spmd.copy_to_mesh(r, Layout(residual_specs, MESH))
+    _, got = issued(lambda: add_rms_norm_(dx, dr, spmd.copy_to_mesh(w, Layout([U], MESH)), 1e-5))
+    assert got == collectives and spmd.fetch_layout(dr) == Layout(residual_specs, MESH)
+    for d, want in zip((dx, dr), _plain_add_rms_norm(x, r, w)):
+        torch.testing.assert_close(spmd.to_global(d), want)
+        check_replicas(d)
+
+
+def test_an_in_place_op_returning_its_target_returns_the_dtensor_itself():
+    op = _op("double_", "double_(Tensor(a!) x) -> Tensor(a!)", lambda x: x.mul_(2))
+    spmd.register_sharding(op, "... -> ...")
+    dx = spmd.copy_to_mesh(rand(4, 6), Layout(["x", "y"], MESH))
+    assert op(dx) is dx
+    torch.testing.assert_close(spmd.to_global(dx), 2 * rand(4, 6))
+
+
+def test_a_pending_sum_written_is_reduced_first_and_a_factor_the_target_lacks_is_gathered():
+    @torch.library.custom_op("spmd_test::add_row_sums_", mutates_args=("acc",))
+    def inc(acc: torch.Tensor, x: torch.Tensor) -> None:
+        acc.add_(x.sum(-1, keepdim=True))
+    spmd.register_sharding(inc, "i k, i j -> ")
+    a, b = rand(4, 6), rand(6, 2, seed=1)
+    acc = matmul(spmd.copy_to_mesh(a, Layout([U, "y"], MESH)), spmd.copy_to_mesh(b, Layout(["y", U], MESH)))
+    assert acc._pending == ("y",)
+    x = rand(4, 6, seed=2)
+    _, got = issued(lambda: inc(acc, spmd.copy_to_mesh(x, Layout([U, "y"], MESH))))
+    # acc's pending sum reduced in place; x's j gathered (acc, written in place, cannot hold a partial sum)
+    assert sorted(got) == [("all_gather", ("y",)), ("all_reduce", ("y",))]
+    torch.testing.assert_close(spmd.to_global(acc), a @ b + x.sum(-1, keepdim=True))
+
+
+def test_a_copied_view_is_not_written():
+    x = spmd.copy_to_mesh(rand(4, 6), Layout(["x", "y"], MESH))
+    view = x.view(24)  # each device's block is not contiguous in the flat view: its components are a copy
+    @torch.library.custom_op("spmd_test::inc_", mutates_args=("x",))
+    def op(x: torch.Tensor) -> None:
+        x.add_(1)
+    spmd.register_sharding(op, "i -> ")
+    with pytest.raises(spmd.UnsupportedOpError, match="writes a view"):
+        op(view)
+
+
+@pytest.mark.parametrize("per_device", [True, False], ids=["per-device", "stacked"])
+def test_an_op_writing_its_arguments_inside_spmd_function_updates_them(per_device):
+    """Compiled by inductor (whose reinplacing miscompiles writes into each device's view of one stack, and clones
+    of them): the written intermediate and the written input equal plain torch's, also on the next call."""
+    if per_device:
+        op, w = add_rms_norm_, rand(6, seed=2)
+    else:
+        op, w = _add_scaled_, rand(2, 6, seed=2)
+
+    def step(a, b, w):
+        a = a * 2
+        op(a, b, w, 1e-5)
+        return a + 1
+
+    fn = spmd.function(step)
+    dw = spmd.copy_to_mesh(w, Layout([U] * w.dim(), MESH))
+    for seed in (0, 1):
+        x, r = rand(4, 2, 6, seed=seed), rand(4, 2, 6, seed=seed + 5)
+        dr = spmd.copy_to_mesh(r, Layout(["x", "y", U], MESH))
+        out = fn(spmd.copy_to_mesh(x, Layout(["x", "y", U], MESH)), dr, dw)
+        torch.testing.assert_close(spmd.to_global(out), step(x, r, w))  # (r written in place too)
+        torch.testing.assert_close(spmd.to_global(dr), r)
+    assert fn.experimental_get_tracing_count() == 1
+
+
+@torch.library.custom_op("spmd_test::add_scaled_", mutates_args=("x", "residual"))
+def _add_scaled_(x: torch.Tensor, residual: torch.Tensor, s: torch.Tensor, eps: float) -> None:
+    residual.add_(x)
+    x.copy_(residual * s + eps)
+
+
+_add_scaled_.register_fake(lambda x, residual, s, eps: None)
+spmd.register_sharding(_add_scaled_, "... h, ... h, ... h -> ")  # every term `...`: one call on the stacks

@@ -244,14 +244,18 @@ def test_clients_train_as_one_process(clients, per_client, dims):
             # (bfloat16 compute: the clients' products fold fewer devices than one process's, roundings differ)
             assert r["mixed"] == pytest.approx(r["fsdp2_mixed"], rel=1e-3)
             assert r["mixed"] == pytest.approx(fsdp_training(mesh, mixed_precision=True)[0], rel=1e-3)
-        for kind, (losses, params, layouts, _) in single.items():
+        for kind, (losses, params, layouts, *_) in single.items():
             assert r[kind][0] == pytest.approx(losses, rel=1e-9), kind
             assert r[kind][2] == layouts
             for p, q in zip(r[kind][1], params):
                 assert torch.allclose(torch.tensor(p), torch.tensor(q), rtol=1e-9, atol=1e-12), kind
-        assert single["dp"][3] == 0  # one process: nothing to prefetch
+        assert single["dp"][3:5] == (0, 0)  # one process: nothing to prefetch
+        # backward gathers again the weights autograd saved: the 2nd and 3rd layers' (the 1st layer's input needs
+        # no gradient), the 2nd's prefetched during the 3rd's backward and taken (no third gather)
+        assert single["dp"][5] == r["dp"][5] == 2
         if per_client == 1 and dims[1] == 1:  # one member per client: from the 2nd step (the 1st learns the order)
-            assert r["dp"][3] == 4 * 2, r["dp"][3]  # the 2nd and 3rd layers' 2 parameters each
+            assert r["dp"][3] == 4 * 2, r["dp"][3]  # forward: the 2nd and 3rd layers' 2 parameters each
+            assert r["dp"][4] == 3, r["dp"][4]  # backward: the 2nd layer's weight, in each of the 3 steps
 
 
 def test_an_optimizer_state_loaded_from_a_replicated_run_is_sharded_like_the_parameters():

@@ -44,7 +44,8 @@ def test_compiled_equals_eager_for_every_layout(mesh22, name):
             eager_xs = [spmd.copy_to_mesh(p, l).requires_grad_() for p, l in zip(plain, (la, lb))]
             out, eager = compiled(*xs), fn(*eager_xs)
             assert spmd.fetch_layout(out) == spmd.fetch_layout(eager)
-            assert components(out) == components(eager)  # every device's component, bit for bit
+            for got, want in zip(spmd.unpack(out), spmd.unpack(eager)):  # every device's component, to the last
+                torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-13)  # bits (vectorised sums differ by CPU)
             torch.testing.assert_close(gather(out), fn(*plain))
             out.sum().backward()
             eager.sum().backward()

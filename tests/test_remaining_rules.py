@@ -14,7 +14,7 @@ import spmd
 from spmd import UNSHARDED as U
 from spmd import Layout
 from spmd.engine import fallback
-from tests.sweep import MESH, all_layouts, issued, Const, check_op, rand, reduce_gradients
+from tests.sweep import MESH, all_layouts, issued, Const, check_op, check_replicas, rand, reduce_gradients
 
 aten = torch.ops.aten
 
@@ -319,3 +319,23 @@ def test_leaky_relu_is_pointwise_on_torch_versions_that_do_not_tag_it():
     _, backward = issued(lambda: y.backward(spmd.copy_to_mesh(torch.ones(4, 4, dtype=torch.float64), layout)))
     assert forward == backward == []
     assert spmd.fetch_layout(y) == spmd.fetch_layout(x.grad) == layout
+
+
+@pytest.mark.parametrize("x_specs", [[U, U, U], ["x", U, U], [U, "y", U], ["y", "x", U]])
+def test_running_statistics_in_any_layouts_are_updated_in_place(x_specs):
+    """`_batch_norm_with_update` writes its running statistics: each is computed in the channels' layout the rule
+    picks and its new values go back into its own layout, whatever the two are (a statistic relayouted for the
+    kernel once kept its old values)."""
+    x, w, b = rand(4, 4, 3), rand(4, seed=1), rand(4, seed=2)
+    mean, var = rand(4, seed=3), rand(4, seed=4).abs()
+    want_mean, want_var = mean.clone(), var.clone()
+    aten._batch_norm_with_update(x, w, b, want_mean, want_var, 0.1, 1e-5)
+    for mean_layout in all_layouts(MESH, (4,)):
+        for var_layout in all_layouts(MESH, (4,)):
+            dmean, dvar = spmd.copy_to_mesh(mean, mean_layout), spmd.copy_to_mesh(var, var_layout)
+            aten._batch_norm_with_update(*(spmd.copy_to_mesh(t, Layout(specs, MESH)) for t, specs in
+                                           ((x, x_specs), (w, [U]), (b, [U]))), dmean, dvar, 0.1, 1e-5)
+            for got, want, layout in ((dmean, want_mean, mean_layout), (dvar, want_var, var_layout)):
+                assert spmd.fetch_layout(got) == layout
+                torch.testing.assert_close(spmd.to_global(got), want)
+                check_replicas(got)

@@ -44,10 +44,10 @@ _STATS = {"misses": 0}
 
 class _Plan:
     __slots__ = ("decision", "kernel", "settle", "in_steps", "out_layouts", "out_pending", "out_steps",
-                 "out_shapes", "mesh", "copied_view", "writes", "once", "written", "reduce_op")
+                 "out_shapes", "mesh", "copied_view", "writes", "once", "written", "write_back", "reduce_op")
 
     def __init__(self, decision, kernel, settle, in_steps, out_layouts, out_pending, out_steps, mesh, copied_view,
-                 written=(), reduce_op="sum"):
+                 written=(), write_back=(), reduce_op="sum"):
         self.decision = decision
         self.kernel = kernel  # (locals, args, kwargs) -> local outputs
         self.settle = settle  # input indices whose pending reduction is resolved in place first
@@ -65,6 +65,8 @@ class _Plan:
         # op then runs once and its outputs are one copy shared by every device (see `_execute_once`)
         self.once = None
         self.written = written  # the inputs the op writes (their components must be each device's own)
+        # [(input index, steps)]: written inputs the kernel wrote relayouted, relayouted back into their components
+        self.write_back = write_back
         self.reduce_op = reduce_op  # of the outputs' pending reduction
 
 
@@ -321,16 +323,34 @@ def _execute(plan: _Plan, func, args, kwargs, tensors):
             all(shared(locals_[i]) for i in plan.written):  # (a written input of per-device copies: each writes)
         return _execute_once(plan, args, kwargs, tensors, locals_)
     for i in plan.written:
+        if tensors[i]._copied_view and not (i == 0 and plan.decision.inplace):  # (a target writes back)
+            raise UnsupportedOpError(
+                f"{func} writes a view (shape {list(tensors[i].shape)}) whose components are a copy, not its base's "
+                "memory (the base's layout had to change when the view was taken): call .clone() on the view, "
+                "or relayout the base so the view needs no relayout")
         if shared(locals_[i]) and locals_[i] is tensors[i]._stack:
             # one copy shared by every device, about to be written per device: each device takes its own
             tensors[i]._stack = locals_[i] = locals_[i].contiguous()
     if plan.writes:
         return _execute_writing(plan, func, args, kwargs, tensors, locals_)
-    out = _wrap(plan, plan.kernel(locals_, args, kwargs), locals_, args, kwargs)
+    out = _wrap(plan, _run_kernel(plan, tensors, locals_, args, kwargs), locals_, args, kwargs)
     if plan.copied_view:
         return _mark_copied(out, func, args, kwargs)
     if plan.copied_view is False and tensors[0]._copied_view:  # a view sharing the memory of a copied view
         return _mark_copied(out, None, (tensors[0],), {})
+    return out
+
+
+def _run_kernel(plan: _Plan, tensors, locals_, args, kwargs):
+    """The plan's kernel on `locals_`; the written inputs it got relayouted are relayouted back into their own
+    components."""
+    out = plan.kernel(locals_, args, kwargs)
+    for i, steps in plan.write_back:
+        written, t = planner.run(locals_[i], plan.mesh, steps), tensors[i]
+        if shared(t._stack):  # (one copy every device shares, which no device may write: rebound)
+            t._stack = written
+        else:
+            t._stack.copy_(written)
     return out
 
 
@@ -368,10 +388,10 @@ def _execute_writing(plan: _Plan, func, args, kwargs, tensors, locals_):
     target = tensors[0]
     if plan.decision.inplace and target._copied_view:
         _check_written_view(plan, target)
-        plan.kernel(locals_, args, kwargs)  # into the view's own components
+        _run_kernel(plan, tensors, locals_, args, kwargs)  # into the view's own components
         _write_back(target)
         return target
-    out = plan.kernel(locals_, args, kwargs)
+    out = _run_kernel(plan, tensors, locals_, args, kwargs)
     if plan.decision.rebinds:
         return _rebind(plan, target, out, func, args, kwargs)
     return target
@@ -483,6 +503,8 @@ def _wrap(plan: _Plan, out, locals_, args, kwargs):
         return DTensor(out, layout, shapes[0])
     if decision.single:
         out = (out,)
+    elif not decision.outputs:  # an op writing its arguments and returning nothing
+        return None
     pending = plan.out_pending
     if plan.out_steps and pending is None:
         out = [planner.run(o, plan.mesh, s) if s else o for o, s in zip(out, plan.out_steps)]
@@ -551,7 +573,7 @@ def _replicated(func, plan: _Plan, tensors) -> bool:
     decision = plan.decision
     is_view = returns_alias(func) and not decision.inplace
     if (plan.mesh.num_local_devices() == 1 or is_view or decision.rebinds or decision.collectives
-            or plan.out_pending or plan.out_steps or decision.epilogue is not None
+            or plan.out_pending or plan.out_steps or plan.write_back or decision.epilogue is not None
             or torch.Tag.nondeterministic_seeded in func.tags):
         return False
     inputs_replicated = all(all(m is None for m in (t._layout.axes if want is None else want))
@@ -562,17 +584,15 @@ def _replicated(func, plan: _Plan, tensors) -> bool:
 def _plan_from_decision(decision: Decision, call: OpCall, tensors, args, kwargs) -> _Plan:
     mesh = call.mesh
     settle, in_steps = [], []
+    written = _written_inputs(call.func, args, kwargs, tensors) + decision.writes
+    write_back = []
     for i, (t, want) in enumerate(zip(tensors, decision.inputs)):
         have = t._layout.axes
         want = t._layout.outer_axes if want is None else tuple(want)
-        if decision.inplace and i == 0 and want != have:
-            computed = Layout.from_axes(want, mesh).sharding_specs
-            way_out = (f"this op shards an axis over one mesh dim only: relayout the target to such a layout first "
-                       f"(e.g. {computed}), and back after" if want == t._layout.outer_axes else
-                       "use the out-of-place form (`y = y * w` for `y.mul_(w)`), or relayout the operands first")
-            raise UnsupportedOpError(
-                f"{call.describe()}: in-place op would change the layout of its target (layout "
-                f"{t._layout.sharding_specs}; this op computes it as {computed}); {way_out}")
+        if want != have and decision.inplace and i == 0:
+            _refuse_relayouted_target(call, t, want)
+        if want != have and i in written:  # written in the kernel's layout: its values go back after
+            write_back.append((i, planner.plan_on(mesh, want, have)))
         pending = () if i in decision.keeps else t._pending  # a kept sum is relayouted unreduced: still a sum
         steps = planner.plan_on(mesh, have, want, pending, t._pending_op)
         if pending and not any(s.kind is Kind.REDUCE_SCATTER for s in steps) and steps[0].kind is not Kind.SHARD:
@@ -597,7 +617,18 @@ def _plan_from_decision(decision: Decision, call: OpCall, tensors, args, kwargs)
     is_view = returns_alias(call.func)
     return _Plan(decision, _kernel(decision, mesh, args, kwargs), settle, in_steps, out_layouts, out_pending,
                  out_steps, mesh, copied_view=(bool(in_steps) or decision.copies) if is_view else None,
-                 written=_written_inputs(call.func, args, kwargs, tensors) + decision.writes, reduce_op=reduce_op)
+                 written=written, write_back=write_back, reduce_op=reduce_op)
+
+
+def _refuse_relayouted_target(call: OpCall, t: DTensor, want):
+    """The error for an in-place op whose rule computes its target in another layout."""
+    computed = Layout.from_axes(want, call.mesh).sharding_specs
+    way_out = (f"this op shards an axis over one mesh dim only: relayout the target to such a layout first "
+               f"(e.g. {computed}), and back after" if want == t._layout.outer_axes else
+               "use the out-of-place form (`y = y * w` for `y.mul_(w)`), or relayout the operands first")
+    raise UnsupportedOpError(
+        f"{call.describe()}: in-place op would change the layout of its target (layout "
+        f"{t._layout.sharding_specs}; this op computes it as {computed}); {way_out}")
 
 
 def _written_inputs(func, args, kwargs, tensors) -> tuple[int, ...]:

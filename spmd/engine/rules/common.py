@@ -61,15 +61,27 @@ def named_tensors(call: OpCall) -> list:
             + [(n, s) for n, s in call.kwargs.items() if isinstance(s, TensorSpec)])
 
 
-def per_device(func, l, a, k, count: int):
-    """`func` on each local device's components, restacked (None outputs stay None)."""
-    outs = []
+def per_device(func, l, a, k, count: int, written: tuple[int, ...] = ()):
+    """`func` on each local device's components, restacked (None outputs stay None; an op returning nothing
+    returns None). `written`: the components `func` writes, which it gets as copies, stacked back into `l`'s after
+    (in a traced graph torch's inductor miscompiles a custom op's writes into views of one stack, and into clones
+    of them, which it drops: pytorch/pytorch#198031; a pointwise copy it keeps)."""
+    outs, parts = [], []
     for d in range(count):
-        args, kwargs = replace_tensors(a, k, [t[d] for t in l])
+        parts.append([_kept_copy(t[d]) if j in written else t[d] for j, t in enumerate(l)])
+        args, kwargs = replace_tensors(a, k, parts[-1])
         outs.append(func(*args, **kwargs))
+    for j in written:
+        l[j].copy_(torch.stack([p[j] for p in parts]))
+    if outs[0] is None:
+        return None
     if isinstance(outs[0], torch.Tensor):
         return torch.stack(outs)
     return tuple(None if o[0] is None else torch.stack(o) for o in zip(*outs))
+
+
+def _kept_copy(x: torch.Tensor) -> torch.Tensor:
+    return x.logical_or(False) if x.dtype == torch.bool else x * 1
 
 
 def raise_if_kernel_refuses(func, dtype: torch.dtype, rank: int, *args) -> None:
