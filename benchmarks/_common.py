@@ -158,8 +158,21 @@ def peak_rss_kib() -> int:
 
 
 def environment() -> str:
-    return (f"torch {torch.__version__}, Python {platform.python_version()}, {platform.machine()}, "
+    return (f"torch {torch.__version__}, Python {platform.python_version()}, {platform.machine()} ({cpu_name()}), "
             f"{os.cpu_count()} cores, torch threads {torch.get_num_threads()}")
+
+
+def cpu_name() -> str:
+    """The processor's model name (Linux's /proc/cpuinfo; else what `platform` knows): timings differ between the
+    kinds of machine a benchmark may run on."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
 
 
 def write_results(stem: str, markdown: str, data: dict, out_dir: str | None = None,
