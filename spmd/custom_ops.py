@@ -259,8 +259,10 @@ def _decide(call: OpCall, rule: _Rule, reduction: frozenset, replicated: frozens
     summed = tuple(tuple(d for f in sorted(reduction) if f in mesh_dim_of and f not in r
                          for d in axis_dims(mesh_dim_of[f])) for r in results)
     inplace = is_inplace(call.func) and returns_alias(call.func)
-    return Decision(inputs, outputs, _kernel(call, rule, operands, results, ellipsis_rank, inplace),
-                    reduce=summed if any(summed) else (), single=len(results) == 1, inplace=inplace)
+    kernel = _kernel(call, rule, operands, results, ellipsis_rank,
+                     tuple(j for j, o in enumerate(operands) if o.name in written), inplace)
+    return Decision(inputs, outputs, kernel, reduce=summed if any(summed) else (), single=len(results) == 1,
+                    inplace=inplace)
 
 
 def _written(func) -> frozenset[str]:
@@ -269,12 +271,12 @@ def _written(func) -> frozenset[str]:
 
 
 def _kernel(call: OpCall, rule: _Rule, operands: list[_Operand], results: list, ellipsis_rank: int,
-            inplace: bool):
+            written: tuple[int, ...], inplace: bool):
     """Calls the op on the components (once on the stacks where every term has `...`), checking once that the
-    results have the local shapes the rule implies. An op writing its arguments writes the components; its kernel
-    returns no results (`()`), or its target's components when it returns its target."""
+    results have the local shapes the rule implies. An op writing its arguments (`written`: their positions among
+    `operands`) writes the components; its kernel returns no results (`()`), or its target's components when it
+    returns its target."""
     func = call.func
-    written = tuple(j for j, o in enumerate(operands) if o.name in _written(func))
     if all(t.ellipsis for t in rule.operands + rule.results):
         # the stack's axis is one more leading axis; shorter `...`s right-aligned by axes of 1 after it
         pads = tuple((ellipsis_rank - o.ellipsis_rank) or None for o in operands)

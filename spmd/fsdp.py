@@ -256,11 +256,8 @@ class _Unit:
 
     def _take(self, name: str, param: DTensor, layout: Layout) -> DTensor | None:
         """The prefetched gather of `name`, if one is in flight and the parameter has not changed since."""
-        handle, version = self.prefetched.pop(name, (None, None))
-        if handle is None:
-            return None
-        stack = handle.wait()  # also when stale: every client finishes the collective it started
-        if version != param._version:
+        stack = _arrived(self.prefetched, name, param)
+        if stack is None:
             return None
         precision = self.precision or Precision()
         return _Gathered.apply(param, stack, layout, stack.dtype, precision.reduce_dtype)
@@ -273,27 +270,27 @@ class _Unit:
         _LAST[0] = self
         after = self.next
         if after is not None and not after.prefetched:
-            for name, (param, layout) in after.params.items():
-                handle = _start_gather(param, layout, (after.precision or Precision()).compute_dtype(param))
+            after._start_gathers(after.params, after.prefetched)
+
+    def _start_gathers(self, names, in_flight: dict) -> None:
+        """Starts the gathers of this unit's parameters `names` (in the order of `self.params`: the same on every
+        client), each into `in_flight` as (its handle, the parameter's version)."""
+        for name, (param, layout) in self.params.items():
+            if name in names:
+                handle = _start_gather(param, layout, (self.precision or Precision()).compute_dtype(param))
                 if handle is not None:
-                    after.prefetched[name] = (handle, param._version)
+                    in_flight[name] = (handle, param._version)
 
     def regathered(self, note: _Regather) -> torch.Tensor:
         """In backward, the components of `note`'s parameter gathered again: prefetched when the unit after this one
         in forward needed its own, or now; then the unit before this one starts gathering what it will need."""
-        handle, version = self.regathering.pop(note.name, (None, None))
-        stack = handle.wait() if handle is not None else None  # (every client finishes the collective it started)
-        if stack is None or version != note.param._version:
+        stack = _arrived(self.regathering, note.name, note.param)
+        if stack is None:
             with torch.no_grad():
                 stack = relayout(note.param.detach().to(note.dtype), note.layout)._stack
         before = self.previous
         if before is not None and not before.regathering:
-            for name, (param, layout) in before.params.items():  # (the same order on every client)
-                if name not in before.saved:
-                    continue
-                handle = _start_gather(param, layout, (before.precision or Precision()).compute_dtype(param))
-                if handle is not None:
-                    before.regathering[name] = (handle, param._version)
+            before._start_gathers(before.saved, before.regathering)
         return stack
 
     def _finish_regathers(self) -> None:
@@ -310,6 +307,15 @@ class _Unit:
             _LIVE.pop(key, None)
         for name, (param, _) in self.params.items():
             module._parameters[name] = param
+
+
+def _arrived(in_flight: dict, name: str, param: DTensor) -> torch.Tensor | None:
+    """The components of `name`'s gather started ahead, if one is in flight and `param` has not changed since."""
+    handle, version = in_flight.pop(name, (None, None))
+    if handle is None:
+        return None
+    stack = handle.wait()  # also when stale: every client finishes the collective it started
+    return stack if version == param._version else None
 
 
 def _forward_starts(module: nn.Module, args) -> None:

@@ -11,7 +11,7 @@ from torch._dispatch.python import no_python_dispatcher
 from torch.utils._python_dispatch import _disable_current_modes
 
 from spmd.dtensor import DTensor
-from spmd.engine.decision import Kernel, OpCall, TensorSpec
+from spmd.engine.decision import Decision, Kernel, OpCall, TensorSpec
 from spmd.engine.validate import named_for_the_user
 from spmd.mesh import axis_dims
 
@@ -59,6 +59,15 @@ def named_tensors(call: OpCall) -> list:
     names = [a.name for a in call.func._schema.arguments]
     return ([(names[i], s) for i, s in enumerate(call.args) if isinstance(s, TensorSpec)]
             + [(n, s) for n, s in call.kwargs.items() if isinstance(s, TensorSpec)])
+
+
+def keeps_gradient_sum(decision: Decision, spec: TensorSpec) -> Decision:
+    """`decision` leaving input 0's pending gradient sum (one backward made: `TensorSpec.gradient`) unresolved, where
+    the op reads that input in its own layout and reduces nothing itself: the op is linear in it, so its result is
+    the sum of the op on each summand, left pending for later (on a smaller tensor, or at the leaf)."""
+    if not spec.gradient or decision.reduce or tuple(decision.inputs[0]) != tuple(spec.axes):
+        return decision
+    return dataclasses.replace(decision, keeps=(0,), reduce=(spec.pending,))
 
 
 def per_device(func, l, a, k, count: int, written: tuple[int, ...] = ()):

@@ -19,7 +19,7 @@ from spmd.dtensor import dense_strides
 from spmd.engine.registry import lookup, register
 from spmd.engine.decision import Decision, OpCall, TensorSpec, is_inplace, unsupported
 from spmd.engine.rules.common import (block_starts, check_in_range, constant, first_device, generic_kernel,
-                                      norm_dim, shard_starts, zero_d_as_one_element)
+                                      keeps_gradient_sum, norm_dim, shard_starts, zero_d_as_one_element)
 from spmd.engine.rules.reduction import arg, arg_index
 from spmd.engine.rules.reshapes import reshape_axes
 from spmd.layout import axis_dims
@@ -44,10 +44,8 @@ def keeps_pending(rule):
     memory, and in-place writes reach the base."""
     def with_pending(call: OpCall) -> Decision:
         decision = rule(call)
-        spec = call.specs[0]
-        if not spec.gradient or tuple(decision.inputs[0]) != tuple(spec.axes):
-            return decision
-        return replace(decision, keeps=(0,), reduce=(spec.pending,), copies=True)
+        kept = keeps_gradient_sum(decision, call.specs[0])
+        return decision if kept is decision else replace(kept, copies=True)
     with_pending.__doc__ = rule.__doc__
     return with_pending
 
