@@ -3,7 +3,8 @@
 
 (a) relayout throughput on a 1-D mesh of 2 clients x 1 device: all-gather (S0->R), all-to-all (S0->S1),
     reduce-scatter (pending sum -> S0), all-reduce (pending sum -> R), for N x N fp32.
-(b) a data-parallel training step of benchmarks/bench_mlp.py's residual MLP (per-rank batch 32): spmd (mesh
+(b) a data-parallel training step of benchmarks/bench_mlp.py's residual MLP at two sizes (D=512 H=2048 and
+    D=256 H=1024, 4 blocks, per-rank batch 32): spmd (mesh
     batch=2, `distribute_module` with its gradient buckets, data sharded on batch), spmd without buckets
     (`bucket_cap_mb=0`: each gradient all-reduced when read), the step under `spmd.function` and as one graph
     under `spmd.function(whole_step=True)` (inductor; aot_eager with --quick) vs DDP vs torch DT (Replicate params,
@@ -50,8 +51,9 @@ RAW_CALL = {"all_gather": "`all_gather`", "all_to_all": "`all_to_all_single`",
 # data) into a tensor of its own (the plain call above writes into one buffer allocated once)
 RAW_SAME = {"all_gather": "`all_gather` into a new N×N tensor",
             "all_to_all": "column blocks stacked contiguous, then `all_to_all_single` into a new tensor"}
-MLP = (256, 1024, 4, 32)  # D, H, L, per-rank batch
-QUICK_MLP = (16, 32, 2, 4)
+# D, H, L, per-rank batch: a compute-heavier MLP, then a smaller one where the per-op cost weighs more
+MLPS = ((512, 2048, 4, 32), (256, 1024, 4, 32))
+QUICK_MLPS = ((16, 32, 2, 4),)
 
 
 # -- the worker (one per client) -------------------------------------------------------------------------------------
@@ -180,7 +182,7 @@ def _relayouts(args, rank, mesh, dmesh) -> dict:
     return out
 
 
-def _mlp_step_variants(args, rank, mesh, dmesh):
+def _mlp_step_variants(args, config, rank, mesh, dmesh):
     import torch.nn.functional as F
     from torch.distributed.tensor import DTensor as TDT, Shard, distribute_module
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -188,7 +190,7 @@ def _mlp_step_variants(args, rank, mesh, dmesh):
     from spmd import UNSHARDED as U, Layout
     from benchmarks.bench_mlp import Net, make_opt
     import copy
-    d, h, L, b = QUICK_MLP if args.quick else MLP
+    d, h, L, b = config
     torch.manual_seed(0)
     x, y = torch.randn(2 * b, d), torch.randn(2 * b, d)
     torch.manual_seed(1)
@@ -242,8 +244,8 @@ def _loss_value(loss) -> float:
     return float(t) / 2
 
 
-def _mlp(args, rank, mesh, dmesh) -> dict:
-    steps, losses, config = _mlp_step_variants(args, rank, mesh, dmesh)
+def _mlp(args, config, rank, mesh, dmesh) -> dict:
+    steps, losses, config = _mlp_step_variants(args, config, rank, mesh, dmesh)
     res = time_cases(steps, args.steps, args.reps, warm=args.warm)
     for r in res.values():
         if "median" in r:
@@ -277,7 +279,8 @@ def worker(args) -> None:
     if not args.no_relayout:
         data["relayout"] = _relayouts(args, rank, mesh, dmesh)
     if not args.no_mlp:
-        data["mlp"] = _mlp(args, rank, spmd.create_distributed_mesh([("batch", 2)], mesh_name="dp"), dmesh)
+        dp = spmd.create_distributed_mesh([("batch", 2)], mesh_name="dp")
+        data["mlp"] = [_mlp(args, config, rank, dp, dmesh) for config in (QUICK_MLPS if args.quick else MLPS)]
     dist.barrier()
     if rank == 0:
         with open(args.worker_out, "w") as f:
@@ -310,8 +313,7 @@ def readme_table(data: dict) -> str:
             if same is not None:
                 rows.append([f"{KIND_LABEL[k]}, raw doing the same relayout", f"{us(same)} ({RAW_SAME[k]})", us(s),
                              us(dt), ratio(s, same), ratio(s, dt)])
-    if "mlp" in data:
-        m = data["mlp"]
+    for m in data.get("mlp", ()):
         s, nb, ddp, dt = ([m["results"].get(f"{v}/{o}", {}).get("median") for o in ("sgd", "adamw")]
                           for v in ("spmd", "spmd_nb", "ddp", "dt"))
         rows.append([f"data-parallel MLP step D={m['config'][0]} H={m['config'][1]} (ms), SGD / AdamW",
@@ -377,8 +379,7 @@ def report(data: dict) -> str:
                 rows.append([f"{n}×{n}", KIND_LABEL[k], fmt(sp["total"]), fmt(sp["dist_call"]),
                              fmt(sp["total"] - sp["dist_call"])])
         lines += [md_table(["N", "relayout", "spmd total", "in torch.distributed", "rest"], rows), ""]
-    if "mlp" in data:
-        m = data["mlp"]
+    for m in data.get("mlp", ()):
         d, h, L, b = m["config"]
         lines += [f"## Data-parallel training step (residual MLP D={d} H={h} L={L}, batch {b} per client, fp32)", "",
                   "ms per step (median). spmd: mesh batch=2 over the 2 clients, `distribute_module` (every "

@@ -121,17 +121,19 @@ def test_activation_checkpointing_recomputes_each_layer_with_the_same_dropout(me
         _close(spmd.to_global(p.grad), spmd.to_global(q.grad), name)
 
 
+@pytest.mark.parametrize("rows", [1, 2])
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
-def test_context_parallel_llama_keeps_the_sequence_sharded(attn):
-    """Llama with the sequence sharded too (one row of the batch per device, context parallelism): the linear
-    layers' merged batch × sequence rows stay sharded over both, so forward gathers only each layer's keys and
-    values (their cache's concatenation) and the shifted labels, and backward sums only their gradients; loss and
-    gradients are plain torch's."""
+def test_context_parallel_llama_keeps_the_sequence_sharded(attn, rows):
+    """Llama with the sequence sharded too (context parallelism; one or two rows of the batch per device): the
+    linear layers' batch × sequence rows stay sharded over both, so forward gathers only each layer's keys and
+    values (their cache's concatenation) and the shifted labels, and backward sums only their gradients (with two
+    rows per device, the logits that the loss merges into rows are exchanged first: see below); loss and gradients
+    are plain torch's."""
     mesh = spmd.create_mesh([("batch", 2), ("seq", 2)])
     torch.manual_seed(0)
     ref, _ = _llama(attn)
     model = spmd.distribute_module(copy.deepcopy(ref), mesh)
-    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, 64, (2 * rows, 16), generator=torch.Generator().manual_seed(1))
     dist_ids = spmd.copy_to_mesh(ids, Layout(["batch", "seq"], mesh))
     with Recorder() as r:
         out = model(input_ids=dist_ids, labels=dist_ids)
@@ -140,11 +142,16 @@ def test_context_parallel_llama_keeps_the_sequence_sharded(attn):
     expected.loss.backward()
     assert spmd.fetch_layout(out.logits) == Layout(["batch", "seq", U], mesh)
     forward = [(c.kind, c.mesh_dims) for c in r.collectives if not c.backward]
-    assert sorted(forward) == [("all_gather", ("seq",))] * 5 + [("all_reduce", ("batch", "seq"))]
+    # the logits' rows, merged for the loss, stay sharded over both dims; with two rows per device the batch takes the
+    # sequence's mesh dim first (one all-to-all), so that each device's rows are one block of the merge
+    moved = [("all_to_all", ("seq",))] * (rows - 1)
+    assert sorted(forward) == sorted([("all_gather", ("seq",))] * 5 + moved + [("all_reduce", ("batch", "seq"))])
     # backward: each layer's key and value gradients summed over the seq devices' query rows, after the sum over
     # the query heads that share them (grouped-query attention: 2 of 4 heads' size)
-    kv = 1 * 2 * 16 * 8 * 4  # a device's batch row, 2 key-value heads, 16 positions, head size 8, float32
-    assert [(c.kind, c.mesh_dims, c.bytes) for c in r.collectives if c.backward] == [("all_reduce", ("seq",), kv)] * 4
+    kv = rows * 2 * 16 * 8 * 4  # a device's batch rows, 2 key-value heads, 16 positions, head size 8, float32
+    logits = rows * 8 * 64 * 4  # a device's rows of logits: 8 positions, 64 classes (back to the model's layout)
+    assert [(c.kind, c.mesh_dims, c.bytes) for c in r.collectives if c.backward] == \
+        [("all_to_all", ("seq",), logits)] * (rows - 1) + [("all_reduce", ("seq",), kv)] * 4
     torch.testing.assert_close(out.loss.item(), expected.loss.item(), rtol=1e-5, atol=0)
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         _close(spmd.to_global(p.grad), q.grad, name)

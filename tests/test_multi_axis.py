@@ -229,10 +229,14 @@ def test_views_keep_multi_axis_layouts(specs, fn, out_specs, kinds):
     # a batch of one row per device and a sharded sequence, merged for a linear layer: both stay
     ((2, 8, 4), ["x", "y", U], (16, 4), [("x", "y"), U], []),
     ((2, 8, 4), ["x", "y", U], (2, 4, 2, 4), ["x", "y", U, U], []),
-    # two rows per device: the sequence's blocks are not contiguous in the merged order, y is gathered
-    ((4, 8, 4), ["x", "y", U], (32, 4), ["x", U], [("all_gather", ("y",))]),
-    # an unsharded axis of several elements first: the sharded one after it is gathered
-    ((2, 8, 4), [U, "y", U], (16, 4), [U, U], [("all_gather", ("y",))]),
+    # two rows per device: the sequence's blocks are not contiguous in the merged order; the batch takes y too (an
+    # all-to-all), then each device's rows are one block
+    ((4, 8, 4), ["x", "y", U], (32, 4), [("x", "y"), U], [("all_to_all", ("y",))]),
+    # an unsharded axis of several elements first: it takes the mesh dim of the sharded one after it
+    ((2, 8, 4), [U, "y", U], (16, 4), ["y", U], [("all_to_all", ("y",))]),
+    # ... where its elements split over them; else the sharded axis is gathered
+    ((6, 8, 4), ["x", "y", U], (48, 4), ["x", U], [("all_gather", ("y",))]),
+    ((3, 8, 4), [U, "y", U], (24, 4), [U, U], [("all_gather", ("y",))]),
 ])
 def test_merged_axes_keep_their_mesh_dims_where_each_device_holds_one_block(shape, specs, size, out_specs, kinds):
     a = rand(*shape)

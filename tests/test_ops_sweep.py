@@ -496,9 +496,11 @@ TF_LAYOUTS = [  # (name, op, [(shape, specs) per input], expected output specs)
     ("argmax [x,y] 1", lambda a: a.argmax(1), [((4, 4), "xy")], "x"),
     ("logsumexp [x,U] -1", lambda a: torch.logsumexp(a, -1), [((4, 4), "xU")], "x"),
     ("reshape [x,U] 4x4->16", lambda a: a.reshape(16), [((4, 4), "xU")], "x"),
-    ("reshape [x,y] 4x4->2x8", lambda a: a.reshape(2, 8), [((4, 4), "xy")], "xU"),
+    # TF gathers y in these two ([x,U] and [x]); spmd's reshape hands y to the first axis (an all-to-all), whose
+    # blocks then shard the output over both dims
+    ("reshape [x,y] 4x4->2x8", lambda a: a.reshape(2, 8), [((4, 4), "xy")], "xy"),
     ("reshape [U,y] 4x4->4x2x2", lambda a: a.reshape(4, 2, 2), [((4, 4), "Uy")], "UyU"),
-    ("reshape [x,y] 4x4->16", lambda a: a.reshape(16), [((4, 4), "xy")], "x"),
+    ("reshape [x,y] 4x4->16", lambda a: a.reshape(16), [((4, 4), "xy")], ["x+y"]),
     ("reshape [U,x,U] ->[2,16]", lambda a: a.reshape(2, 16), [((2, 4, 4), "UxU")], "Ux"),
     ("cumsum sharded axis", lambda a: a.cumsum(0), [((4, 4), "xU")], "xU"),  # blocks completed by their totals
     ("permute [U,y,x] (2,0,1)", lambda a: a.permute(2, 0, 1), [((4, 4, 4), "Uyx")], "xUy"),
@@ -524,8 +526,8 @@ TF_LAYOUTS = [  # (name, op, [(shape, specs) per input], expected output specs)
 ]
 
 
-def _specs(s: str) -> list[str]:
-    return [U if c == "U" else c for c in s]
+def _specs(s: str | list) -> list[str]:
+    return s if isinstance(s, list) else [U if c == "U" else c for c in s]  # (a list: axes over several dims)
 
 
 @pytest.mark.parametrize("name,fn,inputs,want", TF_LAYOUTS, ids=[t[0] for t in TF_LAYOUTS])

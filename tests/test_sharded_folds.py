@@ -1,6 +1,7 @@
 """linear, matmul and einsum, which torch folds into one matrix product: a sharded axis behind a whole one among
 the folded axes (sequence-first activations with a sharded batch, sequence-parallel rows, attention heads sharded
-over a whole batch) stays sharded, with no collective — values and gradients in every layout as plain torch's."""
+over a whole batch), or behind a sharded one of several rows per device (context parallelism), stays sharded, with
+no collective — values and gradients in every layout as plain torch's."""
 
 import pytest
 import torch
@@ -54,6 +55,17 @@ NO_GATHER = {
     "einsum batch and heads sharded, values": (lambda p, v: torch.einsum("bhls,bhsd->blhd", p, v),
                                                [(rand(4, 4, 3, 3), ["x", "y", U, U]),
                                                 (rand(4, 4, 3, 6), ["x", "y", U, U])], ["x", U, "y", U]),
+    # two rows per device and a sharded sequence: no order of the axes keeps each device's rows one block of the
+    # fold; the sharded axes are split into their shards and each shard's rows, the shards first
+    "batch and sequence sharded, linear": (lambda x, w: F.linear(x, w), [(rand(4, 4, 6), ["x", "y", U]),
+                                                                         (rand(8, 6), [U, U])], ["x", "y", U]),
+    "batch and sequence sharded, matmul": (torch.matmul, [(rand(4, 4, 6), ["x", "y", U]), (rand(6, 8), [U, U])],
+                                           ["x", "y", U]),
+    "batch and sequence sharded, einsum": (lambda x, w: torch.einsum("bsh,oh->bso", x, w),
+                                           [(rand(4, 4, 6), ["x", "y", U]), (rand(8, 6), [U, U])], ["x", "y", U]),
+    "two sharded axes around a whole one, linear": (lambda x, w: F.linear(x, w),
+                                                    [(rand(4, 3, 4, 6), ["x", U, "y", U]), (rand(8, 6), [U, U])],
+                                                    ["x", U, "y", U]),
 }
 
 
@@ -82,6 +94,21 @@ def test_seq_first_training_step_reduces_only_the_weight_gradient():
     torch.testing.assert_close(spmd.to_global(dw.grad), wp.grad)
     torch.testing.assert_close(spmd.to_global(dx.grad), xp.grad)
     assert spmd.fetch_layout(dx.grad).sharding_specs == [U, "x", U]
+
+
+def test_batch_and_sequence_sharded_training_step_reduces_only_the_weight_gradient():
+    """A linear layer on a batch of two rows per device with a sharded sequence (context parallelism): forward and
+    backward keep both sharded, the one collective is the weight gradient's sum over both mesh dims."""
+    x, w, g = rand(4, 4, 6), rand(8, 6), rand(4, 4, 8)
+    dx, dw = _dist(x, ["x", "y", U]), _dist(w, [U, U])
+    dg = spmd.copy_to_mesh(g, Layout(["x", "y", U], MESH))
+    _, collectives = issued(lambda: ((F.linear(dx, dw) * dg).sum().backward(), reduce_gradients([dw])))
+    assert collectives == [("all_reduce", ("x", "y"))]
+    xp, wp = x.clone().requires_grad_(), w.clone().requires_grad_()
+    (F.linear(xp, wp) * g).sum().backward()
+    torch.testing.assert_close(spmd.to_global(dw.grad), wp.grad)
+    torch.testing.assert_close(spmd.to_global(dx.grad), xp.grad)
+    assert spmd.fetch_layout(dx.grad).sharding_specs == ["x", "y", U]
 
 
 def test_attention_with_batch_and_heads_sharded_trains_without_a_collective():

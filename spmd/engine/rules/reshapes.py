@@ -36,7 +36,8 @@ def reshape_axes(in_shape: tuple, in_axes: tuple, out_shape: tuple, shards) -> t
     while every sharded axis but the last has one element per device and every axis after it is whole: the run's
     mesh dims, major to minor, then shard the output axes in order (an axis takes dims while their blocks divide
     it, the next only once it holds one element per device). Merging a batch sharded to one row per device with a
-    sharded sequence keeps both; dims that fit nowhere are gathered."""
+    sharded sequence keeps both; with two rows per device the batch first takes the sequence's dims (see
+    `_run_dims`); dims that fit nowhere are gathered."""
     if math.prod(in_shape) == 0:
         return (None,) * len(in_shape), (None,) * len(out_shape)
     need, out = list(in_axes), [None] * len(out_shape)
@@ -55,16 +56,27 @@ def reshape_axes(in_shape: tuple, in_axes: tuple, out_shape: tuple, shards) -> t
 
 
 def _run_dims(ins: range, in_shape: tuple, need: list, shards) -> list:
-    """The mesh dims sharding a run of input axes that may stay sharded (see `reshape_axes`), major to minor;
-    the other axes of the run set to be gathered in `need`."""
-    dims, whole_after = [], False
+    """The mesh dims sharding a run of input axes that may stay sharded (see `reshape_axes`), major to minor. A
+    sharded axis behind the first of several elements per device (the open axis) hands its mesh dims to the open
+    axis where they divide its blocks, an all-to-all after which each device holds one block of the run (two batch
+    rows per device and a sharded sequence: the batch takes the sequence's dims too, the sequence becomes whole);
+    where they do not, it is gathered (set in `need`)."""
+    dims, open_axis = [], None
     for i in ins:
-        if in_shape[i] == 1 or need[i] is None or whole_after:
-            whole_after = whole_after or (in_shape[i] > 1)
+        if in_shape[i] == 1 or need[i] is None:
             need[i] = None
-            continue
-        dims.extend(axis_dims(need[i]))
-        whole_after = in_shape[i] != shards(need[i])
+        elif open_axis is None:
+            dims.extend(axis_dims(need[i]))
+        else:
+            moved = axis_dims(need[open_axis]) + axis_dims(need[i])
+            if in_shape[open_axis] % shards(moved) == 0:
+                need[open_axis] = moved[0] if len(moved) == 1 else tuple(moved)
+                dims.extend(axis_dims(need[i]))
+            need[i] = None
+            if in_shape[open_axis] == shards(need[open_axis]):
+                open_axis = None  # (it holds one element per device now: this axis, whole, is the next open one)
+        if open_axis is None and in_shape[i] != shards(need[i]):
+            open_axis = i
     return dims
 
 

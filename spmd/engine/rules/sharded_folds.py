@@ -9,14 +9,17 @@ attention with sharded heads and a whole batch all meet it. These composite ops 
 `register_above_autograd`): where a sharded axis follows a whole one among the axes torch merges, it moves the
 sharded axes first (a view), lets torch fold that, and moves the result's axes back — no collective; torch then
 copies the permuted input to fold it and the result back to torch's contiguous order, local copies where the
-gather moved and computed everything. Where several batch axes are sharded (attention's `[B, H]` over batch and
-heads), no order folds: the product is one `spmd::batched_matmul`, whose rule keeps each batch axis. The kernels
-are registered once a layout that needs them exists, since they cost every call.
+gather moved and computed everything. Two sharded axes of several elements per device each (a batch of 2 rows
+per device and a sharded sequence) are in no order one block per device: each is split into its shards and each
+shard's elements (views), and the shards' axes go first. Where several batch axes are sharded (attention's
+`[B, H]` over batch and heads), no order folds: the product is one `spmd::batched_matmul`, whose rule keeps each
+batch axis. The kernels are registered once a layout that needs them exists, since they cost every call.
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -45,25 +48,72 @@ def _inverse(order: list[int]) -> list[int]:
     return inverse
 
 
-def _lead_order(t, lead: int) -> list[int] | None:
-    """The order of `t`'s first `lead` axes (those torch folds into rows) that puts its sharded ones first."""
-    return _sharded_first([_sharded(t, i) for i in range(lead)]) if isinstance(t, DTensor) and lead > 1 else None
+def _one_block(sizes: list[int], shards: list[int]) -> bool:
+    """Whether each device's part of axes of these sizes, split in these numbers of shards, is one block of their
+    merged (row-major) order: past the leading axes of one element per device, at most one axis is split."""
+    first = next((i for i, (s, n) in enumerate(zip(sizes, shards)) if -(-s // n) > 1), len(sizes))
+    return all(n == 1 for n in shards[first + 1:])
+
+
+def _fold_plan(sizes: list[int], shards: list[int]) -> tuple[list[int], list[int]] | None:
+    """How to present axes of these sizes, split in these numbers of shards, that torch merges into one, so that
+    each device's part is one block of the merge: None where it is as they come (or no presentation keeps it);
+    else `(shape, order)`: the axes viewed as `shape`, then permuted by `order`. The sharded axes first where that
+    suffices; else, with two sharded axes of several elements per device each (a batch of 2 rows per device and a
+    sharded sequence), each sharded axis split in two, its shards then each shard's elements, the shards first."""
+    if _one_block(sizes, shards):
+        return None
+    order = _sharded_first([n > 1 for n in shards])
+    if order is not None and _one_block([sizes[i] for i in order], [shards[i] for i in order]):
+        return sizes, order
+    if any(s % n for s, n in zip(sizes, shards)):
+        return None  # (uneven shards do not split: torch's fold gathers them)
+    shape, outer, inner = [], [], []
+    for s, n in zip(sizes, shards):
+        if n > 1:
+            outer.append(len(shape))
+            shape.append(n)
+        inner.append(len(shape))
+        shape.append(s // n)
+    return shape, outer + inner
+
+
+def _row_fold(t, lead: int) -> tuple[list[int], list[int]] | None:
+    """`_fold_plan` of `t`'s first `lead` axes, which torch folds into the rows of one matrix product."""
+    if not isinstance(t, DTensor) or lead < 2:
+        return None
+    return _fold_plan(list(t.shape[:lead]), [t._layout.num_shards(i) for i in range(lead)])
+
+
+def _folded(t, fold, lead: int):
+    """`t`'s first `lead` axes presented as `fold` (see `_fold_plan`) says; the others follow."""
+    shape, order = fold
+    if len(shape) != lead:
+        t = t.reshape(shape + list(t.shape[lead:]))
+    return t.permute(order + list(range(len(order), t.dim())))
+
+
+def _unfolded(out, fold, lead_shape):
+    """The product of a `_folded` operand, its lead axes back in `lead_shape` (contiguous, as torch's result)."""
+    shape, order = fold
+    back = out.permute(_inverse(order) + list(range(len(order), out.dim()))).contiguous()
+    return back if len(shape) == len(lead_shape) else back.view(list(lead_shape) + list(out.shape[len(order):]))
 
 
 def _linear(keyset, input, weight, bias=None):
-    order = _lead_order(input, input.dim() - 1)
-    if order is None:
+    lead = input.dim() - 1
+    fold = _row_fold(input, lead)
+    if fold is None:
         return aten.linear.default.redispatch(below(keyset), input, weight, bias)
-    out = aten.linear.default(input.permute(order + [input.dim() - 1]), weight, bias)
-    return out.permute(_inverse(order) + [out.dim() - 1]).contiguous()  # (torch's result is contiguous)
+    return _unfolded(aten.linear.default(_folded(input, fold, lead), weight, bias), fold, input.shape[:lead])
 
 
 def _matmul(keyset, a, b):
     if a.dim() >= 3 and b.dim() <= 2:  # a's leading axes fold into rows
-        order = _lead_order(a, a.dim() - 1)
-        if order is not None:
-            out = aten.matmul.default(a.permute(order + [a.dim() - 1]), b)
-            return out.permute(_inverse(order) + list(range(len(order), out.dim()))).contiguous()
+        lead = a.dim() - 1
+        fold = _row_fold(a, lead)
+        if fold is not None:
+            return _unfolded(aten.matmul.default(_folded(a, fold, lead), b), fold, a.shape[:lead])
     elif a.dim() >= 3 and b.dim() >= 3:  # batched: the broadcast batch axes fold into one
         if a.shape[:-2] == b.shape[:-2] and _several_sharded(a, b):  # no fold can keep them: one op over them all
             return batched_matmul(a, b)
@@ -87,12 +137,14 @@ def _einsum(keyset, equation, tensors, *, path=None):
     pair = _sharded_batch_pair(equation, tensors)
     if pair is not None:
         return _einsum_as_batched_matmul(*pair, *tensors)
-    output_order = _einsum_output_order(equation, tensors)
-    if output_order is None:
+    fold = _einsum_fold(equation, tensors)
+    if fold is None:
         return aten.einsum.default.redispatch(below(keyset), equation, tensors, path=path)
-    inputs, output = equation.replace(" ", "").split("->")
-    out = aten.einsum.default(f"{inputs}->{''.join(output[i] for i in output_order)}", tensors, path=path)
-    return out.permute(_inverse(output_order)).contiguous()
+    operands = [t.reshape([fold.sizes[label] for label in term]) if len(term) != t.dim() else t
+                for term, t in zip(fold.terms, tensors)]
+    out = aten.einsum.default(f"{','.join(fold.terms)}->{''.join(fold.output[i] for i in fold.order)}", operands,
+                              path=path)
+    return _unfolded(out, ([fold.sizes[label] for label in fold.output], fold.order), fold.shape)
 
 
 def _sharded_batch_pair(equation: str, tensors):
@@ -125,16 +177,47 @@ def _einsum_as_batched_matmul(a: str, b: str, out: str, x, y):
     return product.permute([(batch + rows + cols).index(l) for l in out])  # (strides as torch's einsum gives)
 
 
-def _einsum_output_order(equation: str, tensors) -> list[int] | None:
-    """torch's einsum merges the output's labels in their order (batch labels, then each operand's own): an
-    output order with the sharded labels first, or None if they lead (or the equation has no explicit output, or
-    an ellipsis)."""
+class _EinsumFold(NamedTuple):
+    terms: list[str]  # the operands' terms of the einsum to run
+    output: str  # its output's labels
+    order: list[int]  # the order of `output` it is run in: the sharded labels first
+    sizes: dict[str, int]  # every label's size
+    shape: list[int]  # the given einsum's output shape
+
+
+def _einsum_fold(equation: str, tensors) -> _EinsumFold | None:
+    """torch's einsum merges the output's labels in their order (batch labels, then each operand's own): None where
+    each device's part of the output is one block of those merges as it comes (or the equation has no explicit
+    output, or an ellipsis); else how to run it (see `_fold_plan`: a split label is a new label for its shards
+    followed by its own for each shard's elements)."""
     if "->" not in equation or "." in equation or not any(isinstance(t, DTensor) for t in tensors):
         return None
     inputs, output = equation.replace(" ", "").split("->")
-    sharded = {label for operand, t in zip(inputs.split(","), tensors) if isinstance(t, DTensor)
-               for i, label in enumerate(operand) if _sharded(t, i)}
-    return _sharded_first([label in sharded for label in output])
+    terms = inputs.split(",")
+    sizes, shards = {}, {}
+    for term, t in zip(terms, tensors):
+        for i, label in enumerate(term):
+            sizes[label] = max(sizes.get(label, 1), t.shape[i])
+            if _sharded(t, i):
+                shards[label] = max(shards.get(label, 1), t._layout.num_shards(i))
+    shape = [sizes[label] for label in output]
+    plan = _fold_plan(shape, [shards.get(label, 1) for label in output])
+    if plan is None:
+        return None
+    if len(plan[0]) == len(output):
+        return _EinsumFold(terms, output, plan[1], sizes, shape)
+    if any(t.shape[term.index(label)] != sizes[label] for label in shards for term, t in zip(terms, tensors)
+           if label in term and label in output):
+        return None  # (a label broadcast from size 1 does not split: torch's fold gathers)
+    fresh = (label for label in _LABELS if label not in equation)
+    outer = {label: next(fresh) for label in output if shards.get(label, 1) > 1}
+    for label, o in outer.items():
+        sizes[o], sizes[label] = shards[label], sizes[label] // shards[label]
+    *terms, output = ["".join(outer.get(label, "") + label for label in term) for term in terms + [output]]
+    return _EinsumFold(terms, output, plan[1], sizes, shape)
+
+
+_LABELS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
 
 def _register() -> None:
