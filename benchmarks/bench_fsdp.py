@@ -8,6 +8,8 @@ processes, so a process's peak memory is its own. Reported per process (client 0
 - step: median ms per training step (zero_grad, forward, MSE loss, backward, AdamW step) over the repetitions;
 - peak: the peak resident memory during setup and training minus the resident memory before the model was made;
 - state: bytes of the parameters, gradients and optimizer state this process holds.
+The `_accum` variants split each step's rows into 4 micro-batches, the gradients reduce-scattered after the last
+only (spmd: the first three under `spmd.no_sync`; FSDP2: under `set_requires_gradient_sync(False)`).
 
 usage: python benchmarks/bench_fsdp.py [--quick] [--worlds 2 4] [--reps R] [--steps N] [--out DIR]
        python benchmarks/bench_fsdp.py --readme-only   # README.md's table from results/fsdp.json
@@ -16,6 +18,7 @@ usage: python benchmarks/bench_fsdp.py [--quick] [--worlds 2 4] [--reps R] [--st
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import resource
 import statistics
@@ -30,9 +33,12 @@ import torch
 from benchmarks._common import (
     environment, fmt, launch_clients, md_table, output_arguments, ratio, update_readme, write_results)
 
-VARIANTS = ("spmd_fsdp", "fsdp2", "spmd_dp", "ddp")
+VARIANTS = ("spmd_fsdp", "fsdp2", "spmd_dp", "ddp", "spmd_fsdp_accum", "fsdp2_accum")
 LABELS = {"spmd_fsdp": "spmd `shard_parameters`", "fsdp2": "torch FSDP2 `fully_shard`",
-          "spmd_dp": "spmd data parallel (buckets)", "ddp": "torch DDP"}
+          "spmd_dp": "spmd data parallel (buckets)", "ddp": "torch DDP",
+          "spmd_fsdp_accum": "spmd `shard_parameters`, 4 micro-batches (`spmd.no_sync`)",
+          "fsdp2_accum": "torch FSDP2, 4 micro-batches (`set_requires_gradient_sync(False)`)"}
+MICRO = 4  # micro-batches per step of the `_accum` variants (the same rows per step, in quarters)
 MLP = (768, 3072, 4, 16)  # D, H, L, per-process batch
 QUICK_MLP = (16, 32, 2, 4)
 
@@ -64,7 +70,8 @@ def _state_bytes(model, opt) -> int:
 
 
 def _build(variant: str, config, world: int):
-    """(model, step inputs) of `variant`, the model materialised from `meta` as the library shards it."""
+    """(model, step inputs) of `variant`, the model materialised from `meta` as the library shards it; the inputs
+    are a list of (x, y) micro-batches, each process's rows in quarters for the `_accum` variants."""
     import spmd
     from benchmarks.bench_mlp import Net
     d, h, L, b = config
@@ -72,14 +79,16 @@ def _build(variant: str, config, world: int):
     x, y = torch.randn(world * b, d), torch.randn(world * b, d)
     with torch.device("meta"):
         net = Net(d, h, L)
+    micro = MICRO if variant.endswith("_accum") else 1
     if variant.startswith("spmd"):
         mesh = spmd.create_distributed_mesh([("batch", world)])
-        spmd.distribute_module(net, mesh, shard_parameters="batch" if variant == "spmd_fsdp" else None)
+        spmd.distribute_module(net, mesh, shard_parameters="batch" if variant.startswith("spmd_fsdp") else None)
         data = spmd.Layout(["batch", spmd.UNSHARDED], mesh)
-        return net, (spmd.copy_to_mesh(x, data), spmd.copy_to_mesh(y, data))
+        quarters = [t.view(world, micro, b // micro, d) for t in (x, y)]  # (each process's j-th part: its rows)
+        return net, [tuple(spmd.copy_to_mesh(q[:, j].reshape(-1, d), data) for q in quarters) for j in range(micro)]
     rank = torch.distributed.get_rank()
-    local = x[rank * b:(rank + 1) * b], y[rank * b:(rank + 1) * b]
-    if variant == "fsdp2":
+    local = list(zip(x[rank * b:(rank + 1) * b].chunk(micro), y[rank * b:(rank + 1) * b].chunk(micro)))
+    if variant.startswith("fsdp2"):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
         dmesh = init_device_mesh("cpu", (world,))
@@ -95,18 +104,39 @@ def _build(variant: str, config, world: int):
     return net, local
 
 
-def _trainer(model, x, y):
+def _trainer(model, batches):
+    """A training step over the micro-batches `batches`, the gradients reduced after the last only."""
+    import contextlib
     import torch.nn.functional as F
+    import spmd
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     losses = []
 
+    def accumulating(last: bool):
+        if last:
+            return contextlib.nullcontext()
+        if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+            return _fsdp2_no_sync(model)
+        return spmd.no_sync(model)
+
     def step():
         opt.zero_grad()
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
+        for i, (x, y) in enumerate(batches):
+            with accumulating(i == len(batches) - 1):
+                loss = F.mse_loss(model(x), y) / len(batches)
+                loss.backward()
         opt.step()
         losses.append(loss.detach())
     return step, opt, losses
+
+
+@contextlib.contextmanager
+def _fsdp2_no_sync(model):
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
 
 
 def worker(args) -> None:
@@ -117,13 +147,13 @@ def worker(args) -> None:
     import spmd
     spmd.initialize_accelerator_system("CPU", num_logical_cpu_devices=1)  # also the gloo group torch's use
     world = dist.get_world_size()
-    warm_model, (warm_x, warm_y) = _build(args.variant, QUICK_MLP, world)
-    _trainer(warm_model, warm_x, warm_y)[0]()  # imports and one-time setup, before the baseline
-    del warm_model, warm_x, warm_y
+    warm_model, warm_batches = _build(args.variant, QUICK_MLP, world)
+    _trainer(warm_model, warm_batches)[0]()  # imports and one-time setup, before the baseline
+    del warm_model, warm_batches
     gc.collect()
     before = _resident_mb()
-    model, (x, y) = _build(args.variant, QUICK_MLP if args.quick else MLP, world)
-    step, opt, losses = _trainer(model, x, y)
+    model, batches = _build(args.variant, QUICK_MLP if args.quick else MLP, world)
+    step, opt, losses = _trainer(model, batches)
     for _ in range(args.warm):
         step()
     runs = []
@@ -149,17 +179,19 @@ def readme_table(data: dict) -> str:
     header = ["N processes", "variant", "step ms", "vs FSDP2", "peak MB", "state MB"]
     rows = []
     for world, results in data["worlds"].items():
-        base = results.get("fsdp2", {})
         for v in VARIANTS:
             r = results.get(v)
             if r is None:
                 continue
+            base = results.get("fsdp2_accum" if v.endswith("_accum") else "fsdp2", {})  # (the same kind of step)
             rows.append([world, LABELS[v], fmt(r["step_ms"]), ratio(r["step_ms"], base.get("step_ms")),
                          fmt(r["peak_mb"], 0), fmt(r["state_mb"], 1)])
     return "\n".join([
         f"Residual MLP D={d} H={h} L={L}, {b} rows per process, AdamW, fp32; {data['environment']} (per "
         "process); gloo on 127.0.0.1. step: median ms per training step; peak: peak resident memory of a "
-        "process minus its memory before the model was made; state: its parameters + gradients + AdamW state.",
+        "process minus its memory before the model was made; state: its parameters + gradients + AdamW state. "
+        f"The 4 micro-batches of the last rows: {b // MICRO} rows each per process, the gradients reduce-scattered "
+        "after the last only; their ratio is to FSDP2's same step.",
         "", md_table(header, rows)])
 
 

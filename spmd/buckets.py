@@ -26,6 +26,7 @@ from torch import nn
 from spmd.collectives import backend_for
 from spmd.collectives.distributed import DistributedCollectives
 from spmd.dtensor import DTensor
+from spmd.fsdp import gradients_kept
 
 DEFAULT_BUCKET_CAP_MB = 25.0  # DDP's bucket_cap_mb
 FIRST_BUCKET_MB = 1.0  # DDP's first bucket
@@ -183,19 +184,21 @@ def bucket_gradients(module: nn.Module, bucket_cap_mb: float = DEFAULT_BUCKET_CA
 @contextlib.contextmanager
 def no_sync(module: nn.Module):
     """Gradient accumulation over micro-batches, as DDP's `no_sync`: inside, backward leaves the gradients pending
-    (summed locally, nothing communicated); the first backward after it reduces the accumulated sums. A module
-    without gradient buckets (one client, or bucketing off) needs no change: the context does nothing."""
+    (summed locally, nothing communicated); the first backward after it reduces the accumulated sums. Sharded
+    parameters (`shard_parameters`) keep their gathered gradients the same way, reduce-scattered once after it
+    (spmd/fsdp.py). A module without gradient buckets or sharded parameters needs no change: it does nothing."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"no_sync expects an nn.Module, got {type(module).__name__}")
     buckets = _REDUCERS.get(module)
-    if buckets is None:
-        yield
-        return
-    before, buckets.sync = buckets.sync, False
+    before = buckets is not None and buckets.sync
+    if buckets is not None:
+        buckets.sync = False
     try:
-        yield
+        with gradients_kept(module):
+            yield
     finally:
-        buckets.sync = before
+        if buckets is not None:
+            buckets.sync = before
 
 
 __all__ = ["DEFAULT_BUCKET_CAP_MB", "GradBuckets", "bucket_gradients", "no_sync"]

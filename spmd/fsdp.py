@@ -27,6 +27,12 @@ collectives stay matched.
 
 Peak memory is then the shards plus the gathered parameters of the units in flight (this one and the next).
 
+Gradient accumulation (`spmd.no_sync(module)`, FSDP2's `set_requires_gradient_sync(False)`): a backward inside it
+reduces nothing. Each gathered parameter's gradient, a pending sum over the batch dim in the compute layout, is
+kept by its unit and summed locally over the micro-batches; the first backward after the context adds the kept sum
+to its own gradient before the one reduce-scatter. Each device then holds a whole (compute-layout) gradient per
+parameter between micro-batches: fewer collectives for more memory, as FSDP2's.
+
 Mixed precision (`mp_policy`, torch FSDP2's `MixedPrecisionPolicy`): a shard is cast to `param_dtype` before its
 gather (half the bytes for bfloat16), so the module computes in it, each unit's floating inputs are cast to it too
 (`cast_forward_inputs`); in backward each device's partial gradient is cast to `reduce_dtype` before the
@@ -36,6 +42,7 @@ state stay in theirs (float32 masters).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import weakref
@@ -45,13 +52,13 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from spmd import explain
+from spmd import explain, function_mode
 from spmd.api import relayout
 from spmd.collectives import Kind, backend_for
 from spmd.collectives.local import shared
 from spmd.dtensor import DTensor, make
 from spmd.engine import planner
-from spmd.errors import LayoutError
+from spmd.errors import LayoutError, UnsupportedOpError
 from spmd.layout import Layout
 from spmd.mesh import axis_dims
 
@@ -153,12 +160,13 @@ def _unpack(saved):
 
 class _Gathered(torch.autograd.Function):
     """A parameter's components gathered in `dtype` (`stack`: ahead, by a prefetch; None: now) as the gathered
-    DTensor. Backward is relayout's, each device's partial gradient first cast to `reduce_dtype` (None: as it is)."""
+    DTensor. Backward is relayout's, each device's partial gradient first cast to `reduce_dtype` (None: as it is),
+    and, where `unit` accumulates gradients (see the module's docstring), kept by it or added to what it kept."""
 
     @staticmethod
     def forward(ctx, param: DTensor, stack: torch.Tensor | None, layout: Layout, dtype: torch.dtype,
-                reduce_dtype: torch.dtype | None):
-        ctx.source, ctx.dtype, ctx.reduce_dtype = param._layout, param.dtype, reduce_dtype
+                reduce_dtype: torch.dtype | None, unit: _Unit | None = None, name: str | None = None):
+        ctx.source, ctx.dtype, ctx.reduce_dtype, ctx.unit, ctx.name = param._layout, param.dtype, reduce_dtype, unit, name
         if stack is None:
             return relayout(param.to(dtype), layout)
         return make(stack, layout)
@@ -168,7 +176,11 @@ class _Gathered(torch.autograd.Function):
         if ctx.reduce_dtype is not None and grad.dtype != ctx.reduce_dtype:
             grad = DTensor(grad._stack.to(ctx.reduce_dtype), grad._layout, grad.shape, pending=grad._pending,
                            pending_op=grad._pending_op)  # (each partial sum cast: the sum is taken in the new dtype)
-        return relayout(grad, ctx.source).to(ctx.dtype), None, None, None, None
+        if ctx.unit is not None:
+            grad = ctx.unit.accumulated(ctx.name, grad)
+            if grad is None:
+                return (None,) * 7
+        return relayout(grad, ctx.source).to(ctx.dtype), None, None, None, None, None, None
 
 
 def _gatherer(param: DTensor, layout: Layout, precision: Precision | None) -> Callable[[DTensor], DTensor]:
@@ -220,6 +232,8 @@ class _Unit:
         self.saved: set[str] = set()  # the parameters whose gathered copies autograd saved (backward gathers them)
         self.regathering: dict[str, tuple] = {}  # name -> (backward's gather in flight, the parameter's version)
         self.frames: list[_Frame] = []  # per forward in flight (a unit may run again inside itself)
+        self.sync = True  # False inside `spmd.no_sync`: backward keeps the gradients (see `accumulated`)
+        self.kept: dict[str, DTensor] = {}  # name -> the gradient's pending sum kept over the micro-batches
         self.handles = [module.register_forward_pre_hook(self.gather, with_kwargs=True),
                         module.register_forward_hook(self.release, always_call=True)]
 
@@ -232,13 +246,22 @@ class _Unit:
         # and schedules its collectives itself (no prefetch)
         compiling = torch.compiler.is_compiling()
         track = self.reshard and torch.is_grad_enabled() and not compiling
+        accumulating = not self.sync or bool(self.kept)
+        if accumulating and (compiling or function_mode.active()):
+            raise UnsupportedOpError("spmd.no_sync on a module with sharded parameters keeps its gradients in eager "
+                                     "backward only: accumulate the micro-batches outside spmd.function (or let "
+                                     "each micro-batch's backward reduce-scatter, without no_sync)")
         frame = _Frame([], None)  # pushed first: `release` runs even when this raises
         self.frames.append(frame)
         self._finish_regathers()
         precision = self.precision
         for name, (param, layout) in self.params.items():
-            gathered = self._take(name, param, layout)
-            if gathered is None:
+            gathered = self._take(name, param, layout, accumulating)
+            if gathered is None and accumulating:
+                precision = self.precision or Precision()
+                gathered = _Gathered.apply(param, None, layout, precision.compute_dtype(param),
+                                           precision.reduce_dtype, self, name)
+            elif gathered is None:
                 gathered = self.gatherers[name](param)
             module._parameters[name] = gathered  # not a Parameter: seen under the name during this forward only
             stack = gathered._stack if track else None  # (a traced DTensor's components: not Dynamo's to read)
@@ -254,13 +277,24 @@ class _Unit:
             return precision.cast((args, kwargs), precision.param_dtype)
         return None
 
-    def _take(self, name: str, param: DTensor, layout: Layout) -> DTensor | None:
+    def _take(self, name: str, param: DTensor, layout: Layout, accumulating: bool) -> DTensor | None:
         """The prefetched gather of `name`, if one is in flight and the parameter has not changed since."""
         stack = _arrived(self.prefetched, name, param)
         if stack is None:
             return None
         precision = self.precision or Precision()
-        return _Gathered.apply(param, stack, layout, stack.dtype, precision.reduce_dtype)
+        return _Gathered.apply(param, stack, layout, stack.dtype, precision.reduce_dtype,
+                               *((self, name) if accumulating else ()))
+
+    def accumulated(self, name: str, grad: DTensor) -> DTensor | None:
+        """In backward, the gradient of `name` (a pending sum) plus what earlier micro-batches kept: kept in turn
+        inside `spmd.no_sync` (None: nothing to reduce now), else returned to be reduce-scattered."""
+        kept = self.kept.pop(name, None)
+        total = grad if kept is None else kept + grad
+        if self.sync:
+            return total
+        self.kept[name] = total
+        return None
 
     def _chain(self) -> None:
         """Learns which unit follows the last one, and prefetches the one that follows this one."""
@@ -318,6 +352,20 @@ def _arrived(in_flight: dict, name: str, param: DTensor) -> torch.Tensor | None:
     return stack if version == param._version else None
 
 
+@contextlib.contextmanager
+def gradients_kept(module: nn.Module):
+    """Inside, the backward of `module`'s units keeps their gradients (see the module's docstring; `spmd.no_sync`)."""
+    units = [_UNITS[sub] for sub in module.modules() if sub in _UNITS]
+    before = [unit.sync for unit in units]
+    for unit in units:
+        unit.sync = False
+    try:
+        yield
+    finally:
+        for unit, sync in zip(units, before):
+            unit.sync = sync
+
+
 def _forward_starts(module: nn.Module, args) -> None:
     _LAST[0] = None  # a unit's successor is learned within one forward of the distributed module
 
@@ -345,4 +393,4 @@ def gather_on_use(module: nn.Module, compute_layouts: dict[int, Layout], precisi
                 lambda m, args, out: precision.cast(out, precision.output_dtype)))
 
 
-__all__ = ["Precision", "sharded_layout", "gather_on_use"]
+__all__ = ["Precision", "sharded_layout", "gather_on_use", "gradients_kept"]

@@ -578,10 +578,11 @@ def _mixed_precision():
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
-def _fsdp_training(mesh, steps=3, tensor_parallel=False, mixed_precision=False):
+def _fsdp_training(mesh, steps=3, tensor_parallel=False, mixed_precision=False, accumulate=False):
     """A 3-layer MLP (float64; float32 with bfloat16 compute under `mixed_precision`) with parameters sharded over
     "batch" (`shard_parameters`), optionally tensor parallel over "model" too, trained with AdamW on batch-sharded
-    data; returns the losses, the final parameters and the parameters' layouts."""
+    data; returns the losses, the final parameters and the parameters' layouts. With `accumulate`, each step is two
+    micro-batches of the same rows, each with half the loss, the first inside `spmd.no_sync`: the same gradients."""
     import torch
     import spmd
     from spmd import UNSHARDED as U, Layout
@@ -603,8 +604,11 @@ def _fsdp_training(mesh, steps=3, tensor_parallel=False, mixed_precision=False):
     try:
         for _ in range(steps):
             with spmd.explain.Recorder() as record:
+                if accumulate:
+                    with spmd.no_sync(model):
+                        (((model(dx).float() - dy) ** 2).mean() / 2).backward()
                 loss = ((model(dx).float() - dy) ** 2).mean()
-                loss.backward()
+                (loss / 2 if accumulate else loss).backward()
             opt.step()
             opt.zero_grad()
             losses.append(loss.item())
@@ -647,7 +651,8 @@ def fsdp_training():
     per, (batch, model) = int(sys.argv[2]), map(int, sys.argv[3].split(","))
     spmd.initialize_accelerator_system("CPU", num_logical_cpu_devices=per)
     mesh = spmd.create_distributed_mesh([("batch", batch), ("model", model)])
-    result = {"client": spmd.client_id(), "dp": _fsdp_training(mesh), "2d": _fsdp_training(mesh, tensor_parallel=True)}
+    result = {"client": spmd.client_id(), "dp": _fsdp_training(mesh), "2d": _fsdp_training(mesh, tensor_parallel=True),
+              "accumulated": _fsdp_training(mesh, accumulate=True)}
     if per == 1 and model == 1:  # one device per process: torch's FSDP2 runs the same mixed-precision training
         # (the losses only: a client's RESULT line must fit the pipe, or it blocks until the others exit)
         result.update(mixed=_fsdp_training(mesh, mixed_precision=True)[0], fsdp2_mixed=_fsdp2_mixed_precision())

@@ -4,6 +4,7 @@ gathered copies do not outlive their module's forward."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import weakref
 
@@ -14,7 +15,7 @@ from torch import nn
 import spmd
 from spmd import UNSHARDED as U, Layout
 from spmd import fsdp
-from spmd.errors import LayoutError
+from spmd.errors import LayoutError, UnsupportedOpError
 from spmd.explain import Recorder
 from tests.test_multiclient import _worker_function, launch
 
@@ -133,6 +134,43 @@ def test_without_resharding_after_forward_backward_gathers_nothing_again():
         torch.testing.assert_close(spmd.to_global(p.grad), q.grad)
 
 
+@pytest.mark.parametrize("reshard", [True, False])
+def test_no_sync_keeps_gradients_then_reduce_scatters_each_once(reshard):
+    """Gradient accumulation over 3 micro-batches, the first two inside spmd.no_sync: their backwards reduce nothing
+    (only the saved weight is gathered again), the third reduce-scatters each gradient once; the gradients equal
+    plain torch's accumulated ones and those of a run reduce-scattering every micro-batch."""
+    mesh = spmd.create_mesh([("batch", 4)])
+    reference = _mlp()
+    model, every = (spmd.distribute_module(copy.deepcopy(reference), mesh, shard_parameters="batch",
+                                           reshard_after_forward=reshard) for _ in range(2))
+    torch.manual_seed(1)
+    backward = []
+    for i, ((x, y), (dx, dy)) in enumerate(_data(mesh) for _ in range(3)):
+        with spmd.no_sync(model) if i < 2 else contextlib.nullcontext(), Recorder() as e:
+            ((model(dx) - dy) ** 2).sum().backward()
+        backward.append([c.kind for c in e.collectives if c.backward])
+        ((every(dx) - dy) ** 2).sum().backward()
+        ((reference(x) - y) ** 2).sum().backward()
+        if i < 2:
+            assert all(p.grad is None for p in model.parameters())
+    again = ["all_gather"] if reshard else []  # (the second layer's weight, for its input's gradient)
+    assert backward == [again, again, again + ["reduce_scatter"] * 4]
+    for p, q, r in zip(model.parameters(), every.parameters(), reference.parameters()):
+        assert p.grad._layout == p._layout and not p.grad._pending
+        torch.testing.assert_close(spmd.to_global(p.grad), r.grad)
+        torch.testing.assert_close(spmd.to_global(p.grad), spmd.to_global(q.grad))
+    assert not any(fsdp._UNITS[m].kept for m in model.modules() if m in fsdp._UNITS)
+
+
+def test_no_sync_with_sharded_parameters_is_refused_under_function_mode():
+    mesh = spmd.create_mesh([("batch", 4)])
+    model = spmd.distribute_module(_mlp(), mesh, shard_parameters="batch")
+    _, (dx, dy) = _data(mesh)
+    step = spmd.function(lambda x, y: ((model(x) - y) ** 2).sum())
+    with spmd.no_sync(model), pytest.raises(UnsupportedOpError, match="no_sync on a module with sharded"):
+        step(dx, dy)
+
+
 def test_gathered_parameters_do_not_outlive_the_forward():
     mesh = spmd.create_mesh([("batch", 4)])
     model = spmd.distribute_module(_mlp(), mesh, shard_parameters="batch")
@@ -233,7 +271,7 @@ def test_function_mode_compiles_a_sharded_step():
 def test_clients_train_as_one_process(clients, per_client, dims):
     """2 or 4 gloo clients, parameters sharded over the batch dim between them (and over "model" too in 2-D, also
     between clients with 4 of them): losses, parameters and layouts of the one-process run on a mesh of the same
-    shape."""
+    shape, also where each step accumulates two micro-batches under spmd.no_sync."""
     fsdp_training = _worker_function("_fsdp_training")
     mesh = spmd.create_mesh([("batch", dims[0]), ("model", dims[1])])
     single = {"dp": fsdp_training(mesh), "2d": fsdp_training(mesh, tensor_parallel=True)}
@@ -244,7 +282,8 @@ def test_clients_train_as_one_process(clients, per_client, dims):
             # (bfloat16 compute: the clients' products fold fewer devices than one process's, roundings differ)
             assert r["mixed"] == pytest.approx(r["fsdp2_mixed"], rel=1e-3)
             assert r["mixed"] == pytest.approx(fsdp_training(mesh, mixed_precision=True)[0], rel=1e-3)
-        for kind, (losses, params, layouts, *_) in single.items():
+        # two micro-batches of half the loss each, the first under spmd.no_sync: the data-parallel run's values
+        for kind, (losses, params, layouts, *_) in [*single.items(), ("accumulated", single["dp"])]:
             assert r[kind][0] == pytest.approx(losses, rel=1e-9), kind
             assert r[kind][2] == layouts
             for p, q in zip(r[kind][1], params):
