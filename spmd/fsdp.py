@@ -166,7 +166,8 @@ class _Gathered(torch.autograd.Function):
     @staticmethod
     def forward(ctx, param: DTensor, stack: torch.Tensor | None, layout: Layout, dtype: torch.dtype,
                 reduce_dtype: torch.dtype | None, unit: _Unit | None = None, name: str | None = None):
-        ctx.source, ctx.dtype, ctx.reduce_dtype, ctx.unit, ctx.name = param._layout, param.dtype, reduce_dtype, unit, name
+        ctx.source, ctx.dtype, ctx.reduce_dtype = param._layout, param.dtype, reduce_dtype
+        ctx.unit, ctx.name = unit, name
         if stack is None:
             return relayout(param.to(dtype), layout)
         return make(stack, layout)
