@@ -259,9 +259,9 @@ class _Unit:
         for name, (param, layout) in self.params.items():
             gathered = self._take(name, param, layout, accumulating)
             if gathered is None and accumulating:
-                precision = self.precision or Precision()
-                gathered = _Gathered.apply(param, None, layout, precision.compute_dtype(param),
-                                           precision.reduce_dtype, self, name)
+                policy = precision or Precision()
+                gathered = _Gathered.apply(param, None, layout, policy.compute_dtype(param), policy.reduce_dtype,
+                                           self, name)
             elif gathered is None:
                 gathered = self.gatherers[name](param)
             module._parameters[name] = gathered  # not a Parameter: seen under the name during this forward only

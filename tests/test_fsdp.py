@@ -134,15 +134,17 @@ def test_without_resharding_after_forward_backward_gathers_nothing_again():
         torch.testing.assert_close(spmd.to_global(p.grad), q.grad)
 
 
-@pytest.mark.parametrize("reshard", [True, False])
-def test_no_sync_keeps_gradients_then_reduce_scatters_each_once(reshard):
+@pytest.mark.parametrize("reshard, mixed", [(True, False), (False, False), (True, True)])
+def test_no_sync_keeps_gradients_then_reduce_scatters_each_once(reshard, mixed):
     """Gradient accumulation over 3 micro-batches, the first two inside spmd.no_sync: their backwards reduce nothing
     (only the saved weight is gathered again), the third reduce-scatters each gradient once; the gradients equal
-    plain torch's accumulated ones and those of a run reduce-scattering every micro-batch."""
+    plain torch's accumulated ones and those of a run reduce-scattering every micro-batch (also under a mixed
+    precision policy: computed in float32, the partial sums kept and reduced in float64)."""
     mesh = spmd.create_mesh([("batch", 4)])
     reference = _mlp()
+    policy = _mixed(param_dtype=torch.float32, reduce_dtype=torch.float64) if mixed else None
     model, every = (spmd.distribute_module(copy.deepcopy(reference), mesh, shard_parameters="batch",
-                                           reshard_after_forward=reshard) for _ in range(2))
+                                           reshard_after_forward=reshard, mp_policy=policy) for _ in range(2))
     torch.manual_seed(1)
     backward = []
     for i, ((x, y), (dx, dy)) in enumerate(_data(mesh) for _ in range(3)):
@@ -157,7 +159,7 @@ def test_no_sync_keeps_gradients_then_reduce_scatters_each_once(reshard):
     assert backward == [again, again, again + ["reduce_scatter"] * 4]
     for p, q, r in zip(model.parameters(), every.parameters(), reference.parameters()):
         assert p.grad._layout == p._layout and not p.grad._pending
-        torch.testing.assert_close(spmd.to_global(p.grad), r.grad)
+        torch.testing.assert_close(spmd.to_global(p.grad), r.grad, **({"rtol": 1e-5, "atol": 1e-5} if mixed else {}))
         torch.testing.assert_close(spmd.to_global(p.grad), spmd.to_global(q.grad))
     assert not any(fsdp._UNITS[m].kept for m in model.modules() if m in fsdp._UNITS)
 
