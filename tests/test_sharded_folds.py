@@ -111,6 +111,21 @@ def test_batch_and_sequence_sharded_training_step_reduces_only_the_weight_gradie
     assert spmd.fetch_layout(dx.grad).sharding_specs == ["x", "y", U]
 
 
+def test_batch_and_sequence_sharded_linear_under_function_mode_moves_nothing_but_the_sums():
+    """The same fold traced by spmd.function: forward reduces only the returned sum, backward only the weight's
+    gradient; values as plain torch's."""
+    x, w = rand(4, 4, 6), rand(8, 6)
+    dx, dw = _dist(x, ["x", "y", U]), _dist(w, [U, U])
+
+    def fn(a, b):
+        return F.linear(a, b).pow(2).sum()
+    step = spmd.function(fn, backend="aot_eager")
+    explained = step.explain(dx, dw, backward=True)
+    assert [(c.kind, c.mesh_dims, c.backward) for c in explained.collectives] == [
+        ("all_reduce", ("x", "y"), False), ("all_reduce", ("x", "y"), True)]
+    torch.testing.assert_close(spmd.to_global(step(dx, dw)), fn(x, w))
+
+
 def test_attention_with_batch_and_heads_sharded_trains_without_a_collective():
     """Hand-written attention (nanoGPT's) on [B, H, T, hd] sharded over batch and heads, forward and backward,
     eager and under spmd.function: no collective, values and gradients as plain torch's."""
