@@ -190,7 +190,7 @@ def readme_table(data: dict) -> str:
         f"Residual MLP D={d} H={h} L={L}, {b} rows per process, AdamW, fp32; {data['environment']} (per "
         "process); gloo on 127.0.0.1. step: median ms per training step; peak: peak resident memory of a "
         "process minus its memory before the model was made; state: its parameters + gradients + AdamW state. "
-        f"The 4 micro-batches of the last rows: {b // MICRO} rows each per process, the gradients reduce-scattered "
+        f"Rows with {MICRO} micro-batches: {b // MICRO} rows each per process, the gradients reduce-scattered "
         "after the last only; their ratio is to FSDP2's same step.",
         "", md_table(header, rows)])
 
