@@ -63,6 +63,10 @@ NO_GATHER = {
                                            ["x", "y", U]),
     "batch and sequence sharded, einsum": (lambda x, w: torch.einsum("bsh,oh->bso", x, w),
                                            [(rand(4, 4, 6), ["x", "y", U]), (rand(8, 6), [U, U])], ["x", "y", U]),
+    # (torch merges a pair's batch labels apart from each operand's own: nothing to split)
+    "batch and sequence sharded, einsum with a batch label": (lambda x, y: torch.einsum("bsh,bhd->bsd", x, y),
+                                                              [(rand(4, 4, 6), ["x", "y", U]),
+                                                               (rand(4, 6, 3), ["x", U, U])], ["x", "y", U]),
     "two sharded axes around a whole one, linear": (lambda x, w: F.linear(x, w),
                                                     [(rand(4, 3, 4, 6), ["x", U, "y", U]), (rand(8, 6), [U, U])],
                                                     ["x", U, "y", U]),

@@ -55,16 +55,22 @@ def _one_block(sizes: list[int], shards: list[int]) -> bool:
     return all(n == 1 for n in shards[first + 1:])
 
 
-def _fold_plan(sizes: list[int], shards: list[int]) -> tuple[list[int], list[int]] | None:
-    """How to present axes of these sizes, split in these numbers of shards, that torch merges into one, so that
-    each device's part is one block of the merge: None where it is as they come (or no presentation keeps it);
-    else `(shape, order)`: the axes viewed as `shape`, then permuted by `order`. The sharded axes first where that
-    suffices; else, with two sharded axes of several elements per device each (a batch of 2 rows per device and a
-    sharded sequence), each sharded axis split in two, its shards then each shard's elements, the shards first."""
-    if _one_block(sizes, shards):
+def _fold_plan(sizes: list[int], shards: list[int], merges: list[list[int]] | None = None):
+    """How to present axes of these sizes, split in these numbers of shards, that torch merges (`merges`: the
+    positions merged together, in their order; default: all into one), so that each device's part is one block of
+    each merge: None where it is as they come (or no presentation keeps it); else `(shape, order)`: the axes viewed
+    as `shape`, then permuted by `order`. The sharded axes first where that suffices; else, with two sharded axes
+    of several elements per device each in one merge (a batch of 2 rows per device and a sharded sequence), each
+    sharded axis split in two, its shards then each shard's elements, the shards first."""
+    merges = merges or [list(range(len(sizes)))]
+
+    def blocks(order: list[int]) -> bool:
+        return all(_one_block([sizes[i] for i in order if i in m], [shards[i] for i in order if i in m])
+                   for m in merges)
+    if blocks(list(range(len(sizes)))):
         return None
     order = _sharded_first([n > 1 for n in shards])
-    if order is not None and _one_block([sizes[i] for i in order], [shards[i] for i in order]):
+    if order is not None and blocks(order):
         return sizes, order
     if any(s % n for s, n in zip(sizes, shards)):
         return None  # (uneven shards do not split: torch's fold gathers them)
@@ -186,10 +192,10 @@ class _EinsumFold(NamedTuple):
 
 
 def _einsum_fold(equation: str, tensors) -> _EinsumFold | None:
-    """torch's einsum merges the output's labels in their order (batch labels, then each operand's own): None where
-    each device's part of the output is one block of those merges as it comes (or the equation has no explicit
-    output, or an ellipsis); else how to run it (see `_fold_plan`: a split label is a new label for its shards
-    followed by its own for each shard's elements)."""
+    """torch's einsum merges the output's labels in their order (of a pair of operands: the batch labels, then each
+    operand's own; of more, taken as one merge): None where each device's part of the output is one block of those
+    merges as it comes (or the equation has no explicit output, or an ellipsis); else how to run it (see
+    `_fold_plan`: a split label is a new label for its shards followed by its own for each shard's elements)."""
     if "->" not in equation or "." in equation or not any(isinstance(t, DTensor) for t in tensors):
         return None
     inputs, output = equation.replace(" ", "").split("->")
@@ -201,7 +207,11 @@ def _einsum_fold(equation: str, tensors) -> _EinsumFold | None:
             if _sharded(t, i):
                 shards[label] = max(shards.get(label, 1), t._layout.num_shards(i))
     shape = [sizes[label] for label in output]
-    plan = _fold_plan(shape, [shards.get(label, 1) for label in output])
+    merges = None
+    if len(terms) == 2:  # a pair's product merges its batch labels, then each operand's own
+        merges = [[i for i, label in enumerate(output) if (label in terms[0], label in terms[1]) == where]
+                  for where in ((True, True), (True, False), (False, True))]
+    plan = _fold_plan(shape, [shards.get(label, 1) for label in output], merges)
     if plan is None:
         return None
     if len(plan[0]) == len(output):
