@@ -28,7 +28,7 @@ from torch.utils import _pytree as pytree
 
 from spmd.collectives.local import traced
 from spmd.engine import dispatch, registry
-from spmd.engine.decision import Decision, OpCall, TensorSpec, is_inplace, returns_alias
+from spmd.engine.decision import Decision, OpCall, TensorSpec, is_inplace, returns_alias, written_arguments
 from spmd.engine.rules.common import generic_kernel, per_device
 from spmd.mesh import axis_dims
 
@@ -238,7 +238,7 @@ def _decide(call: OpCall, rule: _Rule, reduction: frozenset, replicated: frozens
     results = [_ellipsis_factors(ellipsis_rank if t.ellipsis else 0) + t.factors for t in rule.results]
     # an argument the op writes is a result too, whose layout cannot change: it chooses its factors' mesh dims
     # first (the dispatcher refuses a decision that would relayout it), and a sum it lacks cannot stay pending
-    written = _written(call.func)
+    written = written_arguments(call.func)
     outcomes = results + [o.factors for o in operands if o.name in written]
     # a factor may stay sharded where every result has it (blockwise), or the others sum over it
     in_every_result = set.intersection(*map(set, outcomes)) if outcomes else set()
@@ -263,11 +263,6 @@ def _decide(call: OpCall, rule: _Rule, reduction: frozenset, replicated: frozens
                      tuple(j for j, o in enumerate(operands) if o.name in written), inplace)
     return Decision(inputs, outputs, kernel, reduce=summed if any(summed) else (), single=len(results) == 1,
                     inplace=inplace)
-
-
-def _written(func) -> frozenset[str]:
-    """The names of the arguments `func` writes."""
-    return frozenset(a.name for a in func._schema.arguments if a.alias_info is not None and a.alias_info.is_write)
 
 
 def _kernel(call: OpCall, rule: _Rule, operands: list[_Operand], results: list, ellipsis_rank: int,

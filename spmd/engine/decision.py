@@ -114,6 +114,11 @@ class Decision:
     value_shaped: bool = False
 
 
+def written_arguments(func) -> frozenset[str]:
+    """The names of the arguments `func` writes, as its schema's alias annotations say (`Tensor(a!)`)."""
+    return frozenset(a.name for a in func._schema.arguments if a.alias_info is not None and a.alias_info.is_write)
+
+
 def is_inplace(func) -> bool:
     """Whether `func` writes its first argument (`add_`, `copy_`, `masked_fill_`), as its schema says."""
     args = func._schema.arguments

@@ -25,7 +25,7 @@ from spmd.collectives.local import one_copy, share, shared
 from spmd.dtensor import DTensor
 from spmd.engine import foreach, multi_axis, planner, registry
 from spmd.engine import rules  # noqa: F401  (registers every rule)
-from spmd.engine.decision import Decision, OpCall, TensorSpec, returns_alias
+from spmd.engine.decision import Decision, OpCall, TensorSpec, returns_alias, written_arguments
 from spmd.engine.fallback import FELL_BACK, fallback_decision
 from spmd.engine.plain_operands import mixed_tensor_error, small_integers, write_into_plain, writes_plain
 from spmd.engine.rules.indexing import identity_first_index_as_slice
@@ -635,9 +635,9 @@ def _written_inputs(func, args, kwargs, tensors) -> tuple[int, ...]:
     """The positions in `tensors` of the DTensor arguments that `func`'s schema says it writes."""
     if not func._schema.is_mutable:
         return ()
-    written = []
+    written, names = [], written_arguments(func)
     for i, argument in enumerate(func._schema.arguments):
-        if argument.alias_info is None or not argument.alias_info.is_write:
+        if argument.name not in names:
             continue
         value = args[i] if i < len(args) else kwargs.get(argument.name)
         for t in value if isinstance(value, (list, tuple)) else (value,):

@@ -19,6 +19,7 @@ from spmd.collectives import backend_for
 from spmd.collectives.local import one_copy, share, shared
 from spmd.dtensor import DTensor
 from spmd.engine import planner
+from spmd.engine.decision import written_arguments
 from spmd.errors import MeshMismatchError, MixedTensorError
 
 aten = torch.ops.aten
@@ -67,8 +68,7 @@ class _Signature:
         self.in_place = not schema.returns
         self.names = tuple(a.name for a in schema.arguments)
         self.tensor_lists = tuple(a.name for a in schema.arguments if str(a.type) == "List[Tensor]")
-        self.aliased_writes = frozenset(a.name for a in schema.arguments
-                                        if a.alias_info is not None and a.alias_info.is_write)
+        self.aliased_writes = written_arguments(func)
 
 
 @functools.cache
