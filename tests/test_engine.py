@@ -255,6 +255,44 @@ def test_a_linear_op_keeps_the_sum_pending_for_a_reduce_scatter(mesh22):
         torch.testing.assert_close(got, want)
 
 
+@pytest.mark.parametrize("name", ["3-D matmul", "3-D linear", "2-D linear with a bias"])
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "spmd.function"])
+def test_a_row_parallel_layer_leaves_its_sum_for_a_sequence_parallel_reduce_scatter(mesh22, name, compiled):
+    """Megatron's sequence parallelism: a row-parallel layer's result relayouted to sequence-sharded rows is one
+    reduce-scatter (not an all-reduce and a slice), where torch folds a 3-D input's rows into a matrix product and
+    views the result back (`_unsafe_view`), and where the layer adds a bias (to one summand per group); its
+    backward gathers the result's gradient, nothing more. Values, gradients and components equal plain torch's."""
+    torch.manual_seed(0)
+    rows = (2, 8) if name.startswith("3-D") else (16,)
+    vx, vw, vb = torch.randn(*rows, 8), torch.randn(4, 8), torch.randn(4)
+    target = Layout([U] * (len(rows) - 1) + ["y", U], mesh22)
+    fn = {"3-D matmul": lambda x, w, b: x @ w.t(), "3-D linear": lambda x, w, b: F.linear(x, w),
+          "2-D linear with a bias": F.linear}[name]
+    inputs = [spmd.copy_to_mesh(v, Layout(axes, mesh22)).requires_grad_()
+              for v, axes in ((vx, [U] * len(rows) + ["y"]), (vw, [U, "y"]), (vb, [U]))]
+
+    def step(x, w, b):
+        return spmd.relayout(fn(x, w, b), target)
+    if compiled:  # (a compiled graph's collectives are listed by `explain`; they run unrecorded)
+        step = spmd.function(step, backend="aot_eager")
+        assert [(c.kind, c.mesh_dims) for c in step.explain(*inputs).collectives] == [("reduce_scatter", ("y",))]
+    with Recorder() as seen:
+        out = step(*inputs)
+        (out ** 2).sum().backward()
+    if not compiled:
+        assert [(c.kind, c.mesh_dims, c.backward) for c in seen.collectives] == [
+            ("reduce_scatter", ("y",), False), ("all_gather", ("y",), True)]
+    plain = [v.clone().requires_grad_() for v in (vx, vw, vb)]
+    expected = fn(*plain)
+    (expected ** 2).sum().backward()
+    for got, want in zip(components(out), components(spmd.copy_to_mesh(expected.detach(), target)), strict=True):
+        torch.testing.assert_close(got, want)
+    for t, p in zip(inputs, plain, strict=True):
+        assert (t.grad is None) == (p.grad is None)
+        if p.grad is not None:
+            torch.testing.assert_close(gather(t.grad), p.grad, rtol=1e-5, atol=1e-5)
+
+
 def test_vocab_parallel_softmax_declares_its_collectives(mesh22):
     x = spmd.copy_to_mesh(torch.randn(4, 8), Layout([U, "y"], mesh22))
     decision = registry.lookup(aten._softmax.default).rule(_call_with(aten._softmax.default, x, -1, False))

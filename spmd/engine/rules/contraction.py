@@ -19,7 +19,7 @@ import torch
 from spmd.collectives.local import one_copy, shared, spread, traced
 from spmd.engine.registry import register
 from spmd.engine.decision import Decision, OpCall, unsupported
-from spmd.engine.rules.common import REDUCED_PRECISION, per_device
+from spmd.engine.rules.common import REDUCED_PRECISION, first_device, per_device
 
 aten = torch.ops.aten
 _FREE, _CONTRACTED, _BATCH = 2, 1, 0
@@ -264,8 +264,9 @@ def _once(out: torch.Tensor) -> torch.Tensor:
 
 @register(*_PRODUCTS, blockwise=True)
 def addmm_rule(call: OpCall) -> Decision:
-    """out = beta * bias + alpha * product(a, b). With a pending sum the bias is added once, after the reduction;
-    where the product is one over all devices' rows and every device holds the whole bias, it is torch's addmm."""
+    """out = beta * bias + alpha * product(a, b). With a sum over devices the bias joins the summand of one device
+    per group, and the sum stays pending (a sequence-parallel relayout after a row-parallel layer with a bias is one
+    reduce-scatter); where the product is one over all devices' rows and every device holds the whole bias, it is torch's addmm."""
     equation, local_product = _PRODUCTS[call.func]
     if len(call.specs) == 2:  # a plain 0-d bias (a scalar every device adds): torch's op on each device
         required, out_axes, reduced = einsum_axes(equation, [s.axes for s in call.specs])
@@ -301,10 +302,18 @@ def addmm_rule(call: OpCall) -> Decision:
             _once(out).add_(bias[:1] if shared(out) else bias, alpha=beta)
         return out
 
-    if reduced:
-        return Decision((bias_axes, *required), (out_axes,), product, reduce=(reduced,), reduce_op=reduce_op,
-                        epilogue=lambda outs, locals_, args, kwargs: [add_bias(outs[0], locals_, kwargs)],
-                        fixed=fixed)
+    if reduced and reduce_op == "same":  # each device holds its group's whole sum: the bias joins it everywhere
+        return Decision((bias_axes, *required), (out_axes,), lambda l, a, k: add_bias(product(l, a, k), l, k),
+                        reduce=(reduced,), reduce_op=reduce_op, fixed=fixed)
+    if reduced:  # the bias joins one summand of each group: the sum stays pending for its consumer to resolve
+        first = first_device(call, reduced, r)
+
+        def summand(locals_, args, kwargs):
+            out, beta = product(locals_, args, kwargs), kwargs.get("beta", 1)
+            if beta != 0:
+                out.add_(locals_[0].view(bias_view) * first(out), alpha=beta)
+            return out
+        return Decision((bias_axes, *required), (out_axes,), summand, reduce=(reduced,), fixed=fixed)
     # a bias every device holds whole (no row axis to fold): where the product is one over all devices' rows, it is
     # plain torch's addmm
     one_bias = call.func is aten.addmm.default and all(axes is None for axes in bias_axes) \

@@ -41,9 +41,14 @@ def keeps_pending(rule):
     gradient stays pending through autograd's `t`/`view` on its way to the leaf (where spmd/buckets.py reduces it)
     instead of being all-reduced by the view. Such a view and its base resolve apart, so in-place ops on the view
     are refused (`copies`) rather than lost. Other pending inputs are resolved first: the view shares the resolved
-    memory, and in-place writes reach the base."""
+    memory, and in-place writes reach the base. `_unsafe_view` passes any pending sum through, as a view of its own:
+    torch reshapes with it a temporary no one else holds (a matrix product's result, on its way out of `linear` or
+    `matmul` of a 3-D input), so a row-parallel layer's sum stays pending for its consumer (a sequence-parallel
+    relayout: one reduce-scatter) as it does for a 2-D input."""
     def with_pending(call: OpCall) -> Decision:
         decision = rule(call)
+        if call.func is aten._unsafe_view.default:
+            return keeps_gradient_sum(decision, call.specs[0], any_sum=True)
         kept = keeps_gradient_sum(decision, call.specs[0])
         return decision if kept is decision else replace(kept, copies=True)
     with_pending.__doc__ = rule.__doc__
