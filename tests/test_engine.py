@@ -255,19 +255,19 @@ def test_a_linear_op_keeps_the_sum_pending_for_a_reduce_scatter(mesh22):
         torch.testing.assert_close(got, want)
 
 
-@pytest.mark.parametrize("name", ["3-D matmul", "3-D linear", "2-D linear with a bias"])
+@pytest.mark.parametrize("name", ["3-D matmul", "3-D linear", "2-D linear with a bias", "3-D linear with a bias"])
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "spmd.function"])
 def test_a_row_parallel_layer_leaves_its_sum_for_a_sequence_parallel_reduce_scatter(mesh22, name, compiled):
     """Megatron's sequence parallelism: a row-parallel layer's result relayouted to sequence-sharded rows is one
     reduce-scatter (not an all-reduce and a slice), where torch folds a 3-D input's rows into a matrix product and
-    views the result back (`_unsafe_view`), and where the layer adds a bias (to one summand per group); its
+    views the result back, and where the layer adds a bias (to one summand per group); its
     backward gathers the result's gradient, nothing more. Values, gradients and components equal plain torch's."""
     torch.manual_seed(0)
     rows = (2, 8) if name.startswith("3-D") else (16,)
     vx, vw, vb = torch.randn(*rows, 8), torch.randn(4, 8), torch.randn(4)
     target = Layout([U] * (len(rows) - 1) + ["y", U], mesh22)
     fn = {"3-D matmul": lambda x, w, b: x @ w.t(), "3-D linear": lambda x, w, b: F.linear(x, w),
-          "2-D linear with a bias": F.linear}[name]
+          "2-D linear with a bias": F.linear, "3-D linear with a bias": F.linear}[name]
     inputs = [spmd.copy_to_mesh(v, Layout(axes, mesh22)).requires_grad_()
               for v, axes in ((vx, [U] * len(rows) + ["y"]), (vw, [U, "y"]), (vb, [U]))]
 
@@ -291,6 +291,68 @@ def test_a_row_parallel_layer_leaves_its_sum_for_a_sequence_parallel_reduce_scat
         assert (t.grad is None) == (p.grad is None)
         if p.grad is not None:
             torch.testing.assert_close(gather(t.grad), p.grad, rtol=1e-5, atol=1e-5)
+
+
+def _written_through_a_view(h, sharded):
+    v = h.view(16)
+    v.add_(1)
+    return [h, v]
+
+
+def _overwritten_through_a_view(h, sharded):
+    v = h.t()
+    v.copy_(torch.arange(16.0).view(4, 4) if not isinstance(h, spmd.DTensor) else spmd.copy_to_mesh(
+        torch.arange(16.0).view(4, 4), spmd.fetch_layout(v)))
+    return [h, v]
+
+
+def _zeroed_through_a_view(h, sharded):
+    v = h.view(2, 8)
+    v.zero_()
+    return [h, v]
+
+
+def _base_written_first(h, sharded):
+    v = h.view(16)
+    h.add_(1)
+    return [v, h]
+
+
+def _base_scaled_first(h, sharded):
+    v = h.view(16)
+    h.mul_(2)  # (linear in the sum: still pending, in the memory the view shares)
+    return [v, h]
+
+
+# name: (fn(product, relayout to sharded rows) -> the tensors read, in order; the collectives reading them runs)
+_VIEW_OF_A_SUM = {
+    "the view read first": (lambda h, sharded: [h.view(2, 8), h], [("all_reduce", ("y",))]),
+    "the base read first": (lambda h, sharded: [h, h.t()], [("all_reduce", ("y",))]),
+    "a view of a view": (lambda h, sharded: [h.view(2, 8).t(), h], [("all_reduce", ("y",))]),
+    "written through the view": (_written_through_a_view, [("all_reduce", ("y",))]),
+    "overwritten through the view": (_overwritten_through_a_view, [("all_reduce", ("y",))]),
+    "zeroed through the view": (_zeroed_through_a_view, [("all_reduce", ("y",))]),
+    "the base written first": (_base_written_first, [("all_reduce", ("y",))]),
+    "the base scaled first": (_base_scaled_first, [("all_reduce", ("y",))]),
+    "the view relayouted to sharded rows": (lambda h, sharded: [sharded(h.view(2, 8)), h],
+                                            [("reduce_scatter", ("y",)), ("all_reduce", ("y",))]),
+}
+
+
+@pytest.mark.parametrize("name", _VIEW_OF_A_SUM)
+def test_a_view_of_a_pending_sum_shares_one_reduction_and_every_write_with_its_base(mesh22, name):
+    """A view (`view`, `t`) of a product over a sharded contraction axis keeps the sum pending (a consumer may
+    reduce-scatter it); reading it reduces its base in place and takes the view again, so one all-reduce serves
+    both and they share memory, as torch's view and base do: writes through either reach the other."""
+    fn, expected = _VIEW_OF_A_SUM[name]
+    torch.manual_seed(0)
+    vx, vw = torch.randn(4, 8), torch.randn(8, 4)
+    x, w = _row_parallel(mesh22, vx, vw)
+    rows = Layout(["y", U], mesh22)
+    values, collectives = issued(lambda: [gather(t) for t in fn(x @ w, lambda t: spmd.relayout(t, rows))])
+    assert [(kind, dims) for kind, dims, _ in collectives] == expected
+    for got, want in zip(values, fn(vx @ vw, lambda t: t), strict=True):
+        torch.testing.assert_close(got, want)
 
 
 def test_vocab_parallel_softmax_declares_its_collectives(mesh22):

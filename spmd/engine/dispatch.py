@@ -119,7 +119,7 @@ def torch_dispatch(cls, func, types, args=(), kwargs=None):
                 explain.RECORDERS[-1].op_finished(out)
             return out
     elif func in _OVERWRITES and isinstance(args[0], DTensor) and args[0]._pending and args[0]._bucket is None \
-            and _writes_back(args[0]):  # (a write that would be refused leaves the target as it is)
+            and _overwritten_whole(args[0]):
         args[0]._settle(args[0]._stack)  # its values are overwritten whole: its pending sum is never needed
     tensors: list[DTensor] = []
     key = [id(func)]  # OpOverloads live as long as torch: their id is stable and cheaper than their hash
@@ -176,6 +176,8 @@ def resolve(tensor: DTensor) -> None:
     the gradient bucket already reducing it)."""
     if tensor._bucket is not None and tensor._bucket.settle(tensor):
         return
+    if tensor._copied_view and _resolved_through_base(tensor):
+        return
     axes, mesh = tensor._layout.axes, tensor._layout.mesh
     steps = planner.plan_on(mesh, axes, axes, tensor._pending, tensor._pending_op)
     donate = _sole_holder(tensor)
@@ -184,6 +186,36 @@ def resolve(tensor: DTensor) -> None:
             tensor._settle(planner.run(tensor._stack, mesh, steps, donate))
     else:
         tensor._settle(planner.run(tensor._stack, mesh, steps, donate))
+
+
+def _overwritten_whole(target: DTensor) -> bool:
+    """Whether an op overwriting all of `target`'s values may drop its pending sum unreduced: not where the write
+    would be refused (it leaves the target as it is), nor into a view sharing a pending base's components (resolved
+    through the base first, which the write must reach)."""
+    if target._copied_view and target._key[-1] is not True and target._view_of and target._view_of[1] in _INVERSES:
+        return False
+    return _writes_back(target)
+
+
+def _resolved_through_base(view: DTensor) -> bool:
+    """Resolves a view that kept its base's pending sum (engine/rules/view.py's `keeps_pending`) by resolving the
+    base, unless a reader did already, and taking the view of it again: view and base then share the reduced
+    memory, as torch's do, and one reduction serves both. False where the view is not such a view of its base (a
+    gradient's, reduced on its own: spmd/buckets.py), or no longer is."""
+    if view._view_of is None or view._view_of[1] not in _INVERSES or view._key[-1] is True:
+        return False
+    base, func, rest, kwargs = view._view_of
+    if base._pending:
+        if (base._pending, base._pending_op) != (view._pending, view._pending_op):
+            return False
+        resolve(base)
+    again = dispatch(func, (base, *rest), kwargs)
+    if again.shape != view.shape or again._layout != view._layout or again._copied_view:
+        return False
+    view._settle(again._stack)
+    view._copied_view = False
+    view._view_of = None
+    return True
 
 
 def _sole_holder(tensor: DTensor) -> bool:

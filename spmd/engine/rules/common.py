@@ -61,12 +61,12 @@ def named_tensors(call: OpCall) -> list:
             + [(n, s) for n, s in call.kwargs.items() if isinstance(s, TensorSpec)])
 
 
-def keeps_gradient_sum(decision: Decision, spec: TensorSpec, any_sum: bool = False) -> Decision:
+def keeps_pending_sum(decision: Decision, spec: TensorSpec, any_sum: bool = False) -> Decision:
     """`decision` leaving input 0's pending gradient sum (one backward made: `TensorSpec.gradient`; with `any_sum`,
     any pending sum) unresolved, where the op reads that input in its own layout and reduces nothing itself: the op
     is linear in it, so its result is the sum of the op on each summand, left pending for later (on a smaller
     tensor, or at the leaf)."""
-    if not (spec.gradient or any_sum) or decision.reduce or tuple(decision.inputs[0]) != tuple(spec.axes):
+    if not spec.pending or not (spec.gradient or any_sum) or decision.reduce or tuple(decision.inputs[0]) != tuple(spec.axes):
         return decision
     return dataclasses.replace(decision, keeps=(0,), reduce=(spec.pending,))
 

@@ -21,7 +21,7 @@ import torch
 from spmd.collectives import Collective, Kind
 from spmd.engine.registry import register
 from spmd.engine.decision import Decision, OpCall
-from spmd.engine.rules.common import (broadcast_view, generic_kernel, keeps_gradient_sum, norm_dim, norm_dims,
+from spmd.engine.rules.common import (broadcast_view, generic_kernel, keeps_pending_sum, norm_dim, norm_dims,
                                       raise_if_kernel_refuses, shard_starts, zero_d_as_one_element)
 from spmd.engine.rules.pointwise import aligned_inputs, broadcast_shape, merge_axes
 
@@ -120,7 +120,7 @@ def sum_rule(call: OpCall) -> Decision:
     """A gradient's pending sum (one backward made) summed over unsharded axes stays pending: a sum of sums, reduced
     later on the smaller result (a grouped-query attention's key gradient, summed over the heads sharing it, then
     reduce-scattered on its way to a sequence-sharded key) rather than all-reduced whole first."""
-    return keeps_gradient_sum(reduce_rule(call, "sum"), call.specs[0])
+    return keeps_pending_sum(reduce_rule(call, "sum"), call.specs[0])
 
 
 # a NaN counts as 0 in each shard's nansum as in the whole's; nonzero counts add up

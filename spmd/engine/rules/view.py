@@ -19,7 +19,7 @@ from spmd.dtensor import dense_strides
 from spmd.engine.registry import lookup, register
 from spmd.engine.decision import Decision, OpCall, TensorSpec, is_inplace, unsupported
 from spmd.engine.rules.common import (block_starts, check_in_range, constant, first_device, generic_kernel,
-                                      keeps_gradient_sum, norm_dim, shard_starts, zero_d_as_one_element)
+                                      keeps_pending_sum, norm_dim, shard_starts, zero_d_as_one_element)
 from spmd.engine.rules.reduction import arg, arg_index
 from spmd.engine.rules.reshapes import reshape_axes
 from spmd.layout import axis_dims
@@ -35,21 +35,27 @@ def _infer_size(size, numel: int) -> tuple:
     return tuple(size)
 
 
+# view ops that rearrange their whole input, which an in-place write into the view reaches through (the
+# dispatcher's `_INVERSES`)
+_REARRANGING = {aten.view.default, aten.reshape.default, aten._reshape_alias.default, aten.permute.default,
+                aten.transpose.int, aten.t.default}
+
+
 def keeps_pending(rule):
-    """`rule` for a view op that passes a gradient's pending sum through (one backward made: `TensorSpec.gradient`,
-    part of the cache key) when its input needs no relayout: the view of a sum is the sum of the views, so a
-    gradient stays pending through autograd's `t`/`view` on its way to the leaf (where spmd/buckets.py reduces it)
-    instead of being all-reduced by the view. Such a view and its base resolve apart, so in-place ops on the view
-    are refused (`copies`) rather than lost. Other pending inputs are resolved first: the view shares the resolved
-    memory, and in-place writes reach the base. `_unsafe_view` passes any pending sum through, as a view of its own:
-    torch reshapes with it a temporary no one else holds (a matrix product's result, on its way out of `linear` or
-    `matmul` of a 3-D input), so a row-parallel layer's sum stays pending for its consumer (a sequence-parallel
-    relayout: one reduce-scatter) as it does for a 2-D input."""
+    """`rule` for a view op that passes a pending sum through when its input needs no relayout: the view of a sum is
+    the sum of the views, so the sum stays pending for the consumer that reduces it where it is cheapest (a
+    sequence-parallel relayout: one reduce-scatter; a gradient's bucket at its leaf) instead of being all-reduced
+    by the view. Such a view holds its base's unreduced components and is marked `copies`: its reduction and an
+    in-place write into it go through its base (engine/dispatch.py), so that view and base share the reduced memory,
+    as torch's do, and one reduction serves both. Views without such a way back (squeeze, unsqueeze) pass only a
+    gradient's sum (one backward made, `TensorSpec.gradient`: nothing writes it) and resolve other pending inputs
+    first. `_unsafe_view` reshapes a temporary no one else holds (a matrix product's result, on its way out of
+    `linear` or `matmul` of a 3-D input): any sum passes, unmarked."""
     def with_pending(call: OpCall) -> Decision:
-        decision = rule(call)
+        decision, spec = rule(call), call.specs[0]
         if call.func is aten._unsafe_view.default:
-            return keeps_gradient_sum(decision, call.specs[0], any_sum=True)
-        kept = keeps_gradient_sum(decision, call.specs[0])
+            return keeps_pending_sum(decision, spec, any_sum=True)
+        kept = keeps_pending_sum(decision, spec, any_sum=call.func in _REARRANGING)
         return decision if kept is decision else replace(kept, copies=True)
     with_pending.__doc__ = rule.__doc__
     return with_pending
