@@ -224,6 +224,8 @@ def test_an_op_wanting_the_reduced_dim_sharded_gets_a_reduce_scatter(mesh22):
     ("negated", lambda p, q, r: -p, ("y",), 1),
     ("times a replicated factor", lambda p, q, r: p * r, ("y",), 1),
     ("divided by a replicated value", lambda p, q, r: p / (r.abs() + 1), ("y",), 1),
+    ("summed over an unsharded axis", lambda p, q, r: p.sum(0), ("y",), 1),
+    ("a view, transposed", lambda p, q, r: p.view(2, 8).t(), ("y",), 1),
     # not linear: each sum is resolved first
     ("plus a replicated value", lambda p, q, r: p + r, (), 1),
     ("product of two sums", lambda p, q, r: p * q, (), 2),

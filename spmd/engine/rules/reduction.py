@@ -117,10 +117,10 @@ def _full_kernel(call: OpCall, r: int):
 
 @register(aten.sum.dim_IntList, aten.sum.default, blockwise=True)
 def sum_rule(call: OpCall) -> Decision:
-    """A gradient's pending sum (one backward made) summed over unsharded axes stays pending: a sum of sums, reduced
-    later on the smaller result (a grouped-query attention's key gradient, summed over the heads sharing it, then
-    reduce-scattered on its way to a sequence-sharded key) rather than all-reduced whole first."""
-    return keeps_pending_sum(reduce_rule(call, "sum"), call.specs[0])
+    """A pending sum summed over unsharded axes stays pending: a sum of sums, reduced later on the smaller result (a
+    grouped-query attention's key gradient, summed over the heads sharing it, then reduce-scattered on its way to a
+    sequence-sharded key; a loss summed from a row-parallel layer's result) rather than all-reduced whole first."""
+    return keeps_pending_sum(reduce_rule(call, "sum"), call.specs[0], any_sum=True)
 
 
 # a NaN counts as 0 in each shard's nansum as in the whole's; nonzero counts add up
