@@ -23,7 +23,7 @@ import spmd
 from spmd import UNSHARDED as U, Layout
 from spmd.controller import (Controller, ControllerError, RemoteDTensor, WorkerDiedError, WorkerError, protocol,
                              reaper, shadow_cache)
-from spmd.engine import dispatch
+from spmd.engine import fallback
 
 ENGINES = [pytest.param(name, marks=pytest.mark.skipif(importlib.util.find_spec(package) is None,
                                                        reason=f"{package} is not installed"))
@@ -215,7 +215,7 @@ def test_ops_whose_shape_depends_on_the_values_run_on_the_workers(mesh, monkeypa
     """`x[mask]`, `nonzero`, `unique`: the controller holds no values, so the workers run the op and tell it the
     results' shapes; gradients flow back through them."""
     x = spmd.copy_to_mesh(torch.arange(8.) - 3, Layout(["batch"], mesh)).requires_grad_()
-    monkeypatch.setattr(dispatch, "_GATHERED", set())
+    monkeypatch.setattr(fallback, "_GATHERED", set())
     with pytest.warns(UserWarning, match="gathered on every device"):  # on the controller, as in local mode
         positive = x[x > 0]
     assert positive.shape == (4,) and spmd.fetch_layout(positive).sharding_specs == [U]

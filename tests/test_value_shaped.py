@@ -13,7 +13,7 @@ import torch
 import spmd
 from spmd import UNSHARDED as U, Layout
 from spmd.collectives.local import shared
-from spmd.engine import dispatch
+from spmd.engine import dispatch, fallback
 from tests.sweep import MESH, Const, check_op, issued, rand
 
 
@@ -79,7 +79,7 @@ def test_sharded_operands_are_gathered_and_nothing_else():
 
 
 def test_gathering_sharded_operands_is_warned_about_once_per_op(monkeypatch):
-    monkeypatch.setattr(dispatch, "_GATHERED", set())
+    monkeypatch.setattr(fallback, "_GATHERED", set())
     monkeypatch.setattr(dispatch, "_CACHE", {})  # (plans made by the tests before warned then)
     x = spmd.copy_to_mesh(rand(4, 4), Layout(["x", U], MESH))
     with pytest.warns(UserWarning, match="masked_select.*gathered on every device"):

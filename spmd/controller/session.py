@@ -21,7 +21,7 @@ from spmd.controller import checkpoint, datasets, protocol, shadow_cache, traced
 from spmd.controller.errors import ControllerError, WorkerDiedError, WorkerError
 from spmd.controller.remote import ControllerMesh, RemoteDTensor, remote_class, shadow
 from spmd.dtensor import DTensor
-from spmd.engine import dispatch
+from spmd.engine import dispatch, fallback
 from spmd.engine.rules.value_shaped import shaped_by_values
 from spmd.layout import Layout
 from spmd.ops import parse_layout
@@ -185,7 +185,7 @@ class Session:
         the shapes of its results (replicated: every worker holds the same)."""
         inputs = _leaves((args, kwargs))
         if any(t._layout.sharded_mesh_dims for t in inputs):  # (the workers' warnings stay in their logs)
-            dispatch.warn_gathered(func)
+            fallback.warn_gathered(func)
         _resolve_shadows(inputs)
         handles = self.reserve(len(func._schema.returns))
         self.send((protocol.OP, protocol.op_name(func), self.encode(args), self.encode(kwargs), handles))

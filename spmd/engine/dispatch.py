@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-import warnings
 
 import torch
 import torch.fx.traceback as fx_traceback
@@ -26,7 +25,7 @@ from spmd.dtensor import DTensor
 from spmd.engine import foreach, multi_axis, planner, registry
 from spmd.engine import rules  # noqa: F401  (registers every rule)
 from spmd.engine.decision import Decision, OpCall, TensorSpec, returns_alias, written_arguments
-from spmd.engine.fallback import FELL_BACK, fallback_decision
+from spmd.engine.fallback import FELL_BACK, fallback_decision, warn_gathered
 from spmd.engine.plain_operands import mixed_tensor_error, small_integers, write_into_plain, writes_plain
 from spmd.engine.rules.indexing import identity_first_index_as_slice
 from spmd.engine.validate import check_like_torch, name_the_user_dim
@@ -119,8 +118,10 @@ def torch_dispatch(cls, func, types, args=(), kwargs=None):
                 explain.RECORDERS[-1].op_finished(out)
             return out
     elif func in _OVERWRITES and isinstance(args[0], DTensor) and args[0]._pending and args[0]._bucket is None \
-            and _overwritten_whole(args[0]):
-        args[0]._settle(args[0]._stack)  # its values are overwritten whole: its pending sum is never needed
+            and not _shares_pending_base(args[0]) and _writes_back(args[0]):
+        # its values are overwritten whole: its pending sum is never needed (but a pending base's, which the write
+        # must reach, is resolved first; a write that would be refused leaves the target as it is)
+        args[0]._settle(args[0]._stack)
     tensors: list[DTensor] = []
     key = [id(func)]  # OpOverloads live as long as torch: their id is stable and cheaper than their hash
     blind = _FLOAT_BLIND.get(id(func))
@@ -176,7 +177,7 @@ def resolve(tensor: DTensor) -> None:
     the gradient bucket already reducing it)."""
     if tensor._bucket is not None and tensor._bucket.settle(tensor):
         return
-    if tensor._copied_view and _resolved_through_base(tensor):
+    if _shares_pending_base(tensor) and _resolved_through_base(tensor):
         return
     axes, mesh = tensor._layout.axes, tensor._layout.mesh
     steps = planner.plan_on(mesh, axes, axes, tensor._pending, tensor._pending_op)
@@ -188,22 +189,17 @@ def resolve(tensor: DTensor) -> None:
         tensor._settle(planner.run(tensor._stack, mesh, steps, donate))
 
 
-def _overwritten_whole(target: DTensor) -> bool:
-    """Whether an op overwriting all of `target`'s values may drop its pending sum unreduced: not where the write
-    would be refused (it leaves the target as it is), nor into a view sharing a pending base's components (resolved
-    through the base first, which the write must reach)."""
-    if target._copied_view and target._key[-1] is not True and target._view_of and target._view_of[1] in _INVERSES:
-        return False
-    return _writes_back(target)
+def _shares_pending_base(view: DTensor) -> bool:
+    """Whether `view`, pending, kept its base's pending sum in the base's components (engine/rules/view.py's
+    `keeps_pending`; a gradient's view is reduced on its own: spmd/buckets.py)."""
+    return view._copied_view and view._view_of is not None and view._view_of[1] in _INVERSES \
+        and view._key[-1] is not True
 
 
 def _resolved_through_base(view: DTensor) -> bool:
-    """Resolves a view that kept its base's pending sum (engine/rules/view.py's `keeps_pending`) by resolving the
-    base, unless a reader did already, and taking the view of it again: view and base then share the reduced
-    memory, as torch's do, and one reduction serves both. False where the view is not such a view of its base (a
-    gradient's, reduced on its own: spmd/buckets.py), or no longer is."""
-    if view._view_of is None or view._view_of[1] not in _INVERSES or view._key[-1] is True:
-        return False
+    """Resolves such a view by resolving its base, unless a reader did already, and taking the view of it again:
+    view and base then share the reduced memory, as torch's do, and one reduction serves both. False where it is
+    no longer such a view."""
     base, func, rest, kwargs = view._view_of
     if base._pending:
         if (base._pending, base._pending_op) != (view._pending, view._pending_op):
@@ -213,8 +209,7 @@ def _resolved_through_base(view: DTensor) -> bool:
     if again.shape != view.shape or again._layout != view._layout or again._copied_view:
         return False
     view._settle(again._stack)
-    view._copied_view = False
-    view._view_of = None
+    view._copied_view, view._view_of = False, None
     return True
 
 
@@ -690,16 +685,3 @@ def _kernel(decision: Decision, mesh, args, kwargs):
         return lambda l, a, k: kernel(l, a, k, run)
     specialize = getattr(kernel, "specialize", None)
     return kernel if specialize is None else specialize(args, kwargs)
-
-
-_GATHERED: set = set()  # value-shaped ops that gathered sharded operands (each warned about once)
-
-
-def warn_gathered(func) -> None:
-    """Warns once per op that an op shaped by the values (engine/rules/value_shaped.py) gathered sharded
-    operands."""
-    if func not in _GATHERED:
-        _GATHERED.add(func)
-        warnings.warn(f"spmd: the shape of {func}'s result depends on the values, so its sharded operands are "
-                      "gathered on every device (an all-gather each); a masked op (torch.where, masked_fill, a "
-                      "loss's ignore_index) keeps them sharded", stacklevel=5)

@@ -1,7 +1,8 @@
 """The replicated fallback: an op without a sharding rule runs on replicated inputs — each sharded input gathered,
 the op run once and its result shared by every device — where that is safe (it writes nothing and draws no random
 numbers); otherwise a named error. Correct but slow, so each op that takes it warns once and
-`spmd.cache_stats()['fallbacks']` lists them.
+`spmd.cache_stats()['fallbacks']` lists them. An op whose result's shape depends on the values gathers its sharded
+operands too, and warns once (`warn_gathered`).
 """
 
 from __future__ import annotations
@@ -72,3 +73,16 @@ def _sample(spec: TensorSpec) -> torch.Tensor:
     if spec.dtype.is_floating_point or spec.dtype.is_complex:
         return torch.randn(spec.shape, dtype=spec.dtype, generator=torch.Generator().manual_seed(0))
     return torch.ones(spec.shape, dtype=spec.dtype)
+
+
+_GATHERED: set = set()  # value-shaped ops that gathered sharded operands (each warned about once)
+
+
+def warn_gathered(func) -> None:
+    """Warns once per op that an op shaped by the values (engine/rules/value_shaped.py) gathered sharded
+    operands."""
+    if func not in _GATHERED:
+        _GATHERED.add(func)
+        warnings.warn(f"spmd: the shape of {func}'s result depends on the values, so its sharded operands are "
+                      "gathered on every device (an all-gather each); a masked op (torch.where, masked_fill, a "
+                      "loss's ignore_index) keeps them sharded", stacklevel=5)

@@ -66,7 +66,8 @@ def keeps_pending_sum(decision: Decision, spec: TensorSpec, any_sum: bool = Fals
     any pending sum) unresolved, where the op reads that input in its own layout and reduces nothing itself: the op
     is linear in it, so its result is the sum of the op on each summand, left pending for later (on a smaller
     tensor, or at the leaf)."""
-    if not spec.pending or not (spec.gradient or any_sum) or decision.reduce or tuple(decision.inputs[0]) != tuple(spec.axes):
+    if not spec.pending or not (spec.gradient or any_sum) or decision.reduce \
+            or tuple(decision.inputs[0]) != tuple(spec.axes):
         return decision
     return dataclasses.replace(decision, keeps=(0,), reduce=(spec.pending,))
 

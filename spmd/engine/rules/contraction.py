@@ -266,7 +266,8 @@ def _once(out: torch.Tensor) -> torch.Tensor:
 def addmm_rule(call: OpCall) -> Decision:
     """out = beta * bias + alpha * product(a, b). With a sum over devices the bias joins the summand of one device
     per group, and the sum stays pending (a sequence-parallel relayout after a row-parallel layer with a bias is one
-    reduce-scatter); where the product is one over all devices' rows and every device holds the whole bias, it is torch's addmm."""
+    reduce-scatter); where the product is one over all devices' rows and every device holds the whole bias, it is
+    torch's addmm."""
     equation, local_product = _PRODUCTS[call.func]
     if len(call.specs) == 2:  # a plain 0-d bias (a scalar every device adds): torch's op on each device
         required, out_axes, reduced = einsum_axes(equation, [s.axes for s in call.specs])
