@@ -295,6 +295,17 @@ def test_a_row_parallel_layer_leaves_its_sum_for_a_sequence_parallel_reduce_scat
             torch.testing.assert_close(gather(t.grad), p.grad, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("target", [["x+y", U], ["x", U], [U, U]])
+def test_a_bias_is_added_once_to_a_sum_over_several_mesh_dims(mesh22, target):
+    """A layer whose contraction axis is sharded over both mesh dims ("x+y") adds its bias once to the sum, whatever
+    layout reads the result."""
+    torch.manual_seed(0)
+    vx, vw, vb = torch.randn(8, 8), torch.randn(4, 8), torch.randn(4)
+    x, w = (spmd.copy_to_mesh(v, Layout([U, "x+y"], mesh22)) for v in (vx, vw))
+    out = spmd.relayout(F.linear(x, w, spmd.copy_to_mesh(vb, Layout([U], mesh22))), Layout(target, mesh22))
+    torch.testing.assert_close(gather(out), F.linear(vx, vw, vb))
+
+
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "spmd.function"])
 def test_a_sequence_parallel_megatron_block_gathers_and_reduce_scatters_once_each_way(compiled):
     """Megatron's sequence-parallel MLP block on [batch, seq, hidden], the sequence sharded over `model` between

@@ -306,6 +306,10 @@ def addmm_rule(call: OpCall) -> Decision:
     if reduced and reduce_op == "same":  # each device holds its group's whole sum: the bias joins it everywhere
         return Decision((bias_axes, *required), (out_axes,), lambda l, a, k: add_bias(product(l, a, k), l, k),
                         reduce=(reduced,), reduce_op=reduce_op, fixed=fixed)
+    if reduced and call.multi_axis:  # (the rule sees the outer of several mesh dims summed: the bias after the sum)
+        return Decision((bias_axes, *required), (out_axes,), product, reduce=(reduced,),
+                        epilogue=lambda outs, locals_, args, kwargs: [add_bias(outs[0], locals_, kwargs)],
+                        fixed=fixed)
     if reduced:  # the bias joins one summand of each group: the sum stays pending for its consumer to resolve
         first = first_device(call, reduced, r)
 

@@ -17,9 +17,10 @@ import math
 
 import torch
 
+from spmd.collectives.local import one_copy, shared
 from spmd.engine.decision import Decision, OpCall
 from spmd.engine.registry import register
-from spmd.engine.rules.common import first_device, replace_tensors
+from spmd.engine.rules.common import replace_tensors
 from spmd.engine.rules.contraction import einsum_axes
 from spmd.engine.rules.reduction import arg
 
@@ -95,12 +96,15 @@ def convolution_rule(call: OpCall) -> Decision:
     if not reduce:
         return Decision(inputs, (conv.out_axes,), lambda l, a, k: conv.forward(l[0], l[1], l[2].flatten()))
     bias_view = (conv.num_local,) + ((1,) if conv.batched else ()) + (-1,) + (1,) * (specs[1].rank - 2)
-    first = first_device(call, (conv.ci,), len(bias_view) - 1)
 
-    def summand(l, a, k):  # the bias joins one summand of each group: the sum stays pending for its consumer
-        out = conv.forward(l[0], l[1], None)
-        return out.add_(l[2].view(bias_view) * first(out))
-    return Decision(inputs, (conv.out_axes,), summand, reduce=reduce)
+    def add_bias(outs, locals_, args, kwargs):  # once, after the sum over input channels
+        out, bias = outs[0], locals_[2].view(bias_view)
+        if shared(out):  # a sum over the whole mesh: one copy that every device shares, and so is the bias
+            one_copy(out).add_(bias[:1])
+            return [out]
+        return [out.add_(bias)]
+    return Decision(inputs, (conv.out_axes,), lambda l, a, k: conv.forward(l[0], l[1], None), reduce=reduce,
+                    epilogue=add_bias)
 
 
 @register(aten.convolution_backward.default)
