@@ -558,7 +558,17 @@ def donated_all_reduce():
     held = da @ db
     holder, partial = held._stack, held._stack.clone()
     torch.relu(held)
+    # a 3-D input's product, viewed back by torch (`_unsafe_view`), and with a bias (`view` of the product, read
+    # through it): each still reduced in the memory it was computed in
+    rows, bias = torch.randn(2, 4, 8, generator=gen), torch.randn(4, generator=gen)
+    drows, dbias = spmd.copy_to_mesh(rows, Layout([U, U, "x"], mesh)), spmd.copy_to_mesh(bias, Layout([U], mesh))
+    folded, biased = drows @ db, torch.nn.functional.linear(drows, db.t(), dbias)
+    memories = [t._stack.data_ptr() for t in (folded, biased)]
+    folded_relu, biased_relu = torch.relu(folded), torch.relu(biased)
     _result({"client": spmd.client_id(), "in_place": alone._stack.data_ptr() == memory,
+             "views_in_place": [t._stack.data_ptr() for t in (folded, biased)] == memories,
+             "views_values": [torch.allclose(spmd.to_global(t), r, atol=1e-6) for t, r in (
+                 (folded_relu, torch.relu(rows @ b)), (biased_relu, torch.relu(rows @ b + bias)))],
              "holder_kept": torch.equal(holder, partial) and held._stack.data_ptr() != holder.data_ptr(),
              "values": [torch.allclose(spmd.to_global(t), r, atol=1e-6)
                         for t, r in ((alone, a @ b), (relu, torch.relu(a @ b)), (held, a @ b))]})

@@ -150,6 +150,7 @@ def test_pending_sum_is_reduced_in_its_own_memory_unless_shared():
     memory another tensor holds is reduced into a copy, the holder's partial sums untouched."""
     for r in launch("donated_all_reduce"):
         assert r["in_place"] and r["holder_kept"] and all(r["values"]), r
+        assert r["views_in_place"] and all(r["views_values"]), r
 
 
 

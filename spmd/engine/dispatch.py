@@ -204,6 +204,7 @@ def _resolved_through_base(view: DTensor) -> bool:
     if base._pending:
         if (base._pending, base._pending_op) != (view._pending, view._pending_op):
             return False
+        view._stack = None  # (taken again below: the base's reduction may then run in its own memory)
         resolve(base)
     again = dispatch(func, (base, *rest), kwargs)
     if again.shape != view.shape or again._layout != view._layout or again._copied_view:
@@ -215,11 +216,16 @@ def _resolved_through_base(view: DTensor) -> bool:
 
 def _sole_holder(tensor: DTensor) -> bool:
     """Whether nothing but `tensor` holds its components' memory (no view, alias or bucket): its reduction may then
-    be written there, where gloo's in-place all-reduce would otherwise reduce a copy."""
+    be written there, where gloo's in-place all-reduce would otherwise reduce a copy. Components that view the whole
+    of a temporary nothing else holds (a matrix product's result, reshaped by `_unsafe_view`) count too."""
     stack = tensor._stack
-    # references: tensor's attribute, `stack`, getrefcount's argument; storage uses: `stack`, untyped_storage()
-    return stack._base is None and sys.getrefcount(stack) == 3 and \
-        torch._C._storage_Use_Count(stack.untyped_storage()._cdata) == 2
+    base = stack._base
+    # references: tensor's attribute, `stack`, getrefcount's argument (a base: `base`, the argument); storage uses:
+    # `stack`, its base if any, untyped_storage()
+    if base is not None and (sys.getrefcount(base) != 2 or base.numel() != stack.numel()):
+        return False
+    return sys.getrefcount(stack) == 3 and \
+        torch._C._storage_Use_Count(stack.untyped_storage()._cdata) == (2 if base is None else 3)
 
 
 dtensor.install_engine(sys.modules[__name__])
