@@ -262,8 +262,8 @@ def test_a_linear_op_keeps_the_sum_pending_for_a_reduce_scatter(mesh22):
 def test_a_row_parallel_layer_leaves_its_sum_for_a_sequence_parallel_reduce_scatter(mesh22, name, compiled):
     """Megatron's sequence parallelism: a row-parallel layer's result relayouted to sequence-sharded rows is one
     reduce-scatter (not an all-reduce and a slice), where torch folds a 3-D input's rows into a matrix product and
-    views the result back, and where the layer adds a bias (to one summand per group); its
-    backward gathers the result's gradient, nothing more. Values, gradients and components equal plain torch's."""
+    views the result back, and where the layer adds a bias (to one summand per group); its backward gathers the
+    result's gradient, nothing more. Values, gradients and components equal plain torch's."""
     torch.manual_seed(0)
     rows = (2, 8) if name.startswith("3-D") else (16,)
     vx, vw, vb = torch.randn(*rows, 8), torch.randn(4, 8), torch.randn(4)

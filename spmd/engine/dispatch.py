@@ -28,6 +28,7 @@ from spmd.engine.decision import Decision, OpCall, TensorSpec, returns_alias, wr
 from spmd.engine.fallback import FELL_BACK, fallback_decision, warn_gathered
 from spmd.engine.plain_operands import mixed_tensor_error, small_integers, write_into_plain, writes_plain
 from spmd.engine.rules.indexing import identity_first_index_as_slice
+from spmd.engine.rules.view import REARRANGING_VIEWS
 from spmd.engine.validate import check_like_torch, name_the_user_dim
 from spmd.errors import MeshMismatchError, MixedTensorError, UnsupportedOpError
 from spmd.layout import Layout
@@ -192,7 +193,7 @@ def resolve(tensor: DTensor) -> None:
 def _shares_pending_base(view: DTensor) -> bool:
     """Whether `view`, pending, kept its base's pending sum in the base's components (engine/rules/view.py's
     `keeps_pending`; a gradient's view is reduced on its own: spmd/buckets.py)."""
-    return view._copied_view and view._view_of is not None and view._view_of[1] in _INVERSES \
+    return view._copied_view and view._view_of is not None and view._view_of[1] in REARRANGING_VIEWS \
         and view._key[-1] is not True
 
 

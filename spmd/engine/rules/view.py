@@ -35,10 +35,10 @@ def _infer_size(size, numel: int) -> tuple:
     return tuple(size)
 
 
-# view ops that rearrange their whole input, which an in-place write into the view reaches through (the
-# dispatcher's `_INVERSES`)
-_REARRANGING = {aten.view.default, aten.reshape.default, aten._reshape_alias.default, aten.permute.default,
-                aten.transpose.int, aten.t.default}
+# view ops that rearrange their whole input: they pass any pending sum on, and the dispatcher resolves such a view
+# through its base (an in-place write into one reaches its base through the op's inverse, engine/dispatch.py)
+REARRANGING_VIEWS = frozenset({aten.view.default, aten.reshape.default, aten._reshape_alias.default,
+                               aten.permute.default, aten.transpose.int, aten.t.default})
 
 
 def keeps_pending(rule):
@@ -55,7 +55,7 @@ def keeps_pending(rule):
         decision, spec = rule(call), call.specs[0]
         if call.func is aten._unsafe_view.default:
             return keeps_pending_sum(decision, spec, any_sum=True)
-        kept = keeps_pending_sum(decision, spec, any_sum=call.func in _REARRANGING)
+        kept = keeps_pending_sum(decision, spec, any_sum=call.func in REARRANGING_VIEWS)
         return decision if kept is decision else replace(kept, copies=True)
     with_pending.__doc__ = rule.__doc__
     return with_pending
